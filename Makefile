@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine with python3 and make:
+#   make demo   create .venv if missing, install mixedad, run the demo
+#   make test   the same with the test extras, then run the whole suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --constraint constraints.txt
+
+.PHONY: demo test install install-test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(PY) setup.cfg setup.py constraints.txt
+	$(PIP) --editable .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) --editable '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(PY) -m mixedad demo
+
+test: install-test
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) *.egg-info build dist

@@ -1,0 +1,94 @@
+"""Naive double-backward implementations: mixedad's public ground truth.
+
+These build the full reverse graph through G with ``create_graph=True`` and differentiate it
+again, exactly as the straightforward PyTorch code does. They are slow and their memory grows
+with G's depth; use them to verify mixedad's results, not in production.
+"""
+import torch
+
+from mixedad import _checks
+from mixedad._trees import tree_unflatten
+
+
+def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
+    r"""Reference for :func:`mixedad.mixed_grad` by double backward through G.
+
+    .. math::
+
+        \frac{\partial}{\partial y}\Big\langle v,\ \frac{\partial f(y, G(z))}{\partial z}\Big\rangle
+
+    computed as ``grad(grad(f(y, G(z)), z, create_graph=True), y, grad_outputs=v)``. Same
+    arguments and result structure as :func:`mixedad.mixed_grad`; leaves of y the result does
+    not depend on get zeros. Memory: all of G's activations and its backward graph are kept
+    alive, so peak memory grows linearly with G's depth.
+
+    G's parameters get no ``.grad`` (``torch.autograd.grad`` returns, never accumulates).
+
+    Example:
+        >>> import torch
+        >>> from mixedad.reference import double_backward_mixed_grad
+        >>> G = lambda x: x.sum(dim=1).exp()
+        >>> f = lambda y, g: ((y.sum(dim=1) + g) ** 3).sum()
+        >>> double_backward_mixed_grad(f, G, torch.rand(3, 4), torch.rand(3, 4)).shape
+        torch.Size([3, 4])
+    """
+    call = "double_backward_mixed_grad(f, G, z, y)"
+    y_leaves, y_spec, v = _checks.mixed_args(call, f, G, z, y, v)
+
+    with torch.enable_grad():
+        z_work = z.detach().requires_grad_()
+        y_work = [leaf if leaf.requires_grad else leaf.detach().requires_grad_() for leaf in y_leaves]
+        out = f(tree_unflatten(y_work, y_spec), G(z_work))
+        _checks.check_scalar_output(call, out)
+        out = out.reshape(())
+        df_dz = None
+        if out.requires_grad:
+            (df_dz,) = torch.autograd.grad(out, z_work, create_graph=True, allow_unused=True)
+        if df_dz is not None and df_dz.requires_grad:
+            grads = torch.autograd.grad(
+                df_dz, y_work, grad_outputs=v, create_graph=create_graph, allow_unused=True
+            )
+        else:
+            grads = [None] * len(y_work)
+    result = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, y_leaves)]
+    return tree_unflatten(result, y_spec)
+
+
+def finite_difference_mixed_grad(f, G, z, y, v=None, *, eps=1e-4):
+    r"""Reference for :func:`mixedad.mixed_grad` by central finite differences, no autograd.
+
+    .. math::
+
+        \mathrm{result}[j] \approx \frac{F(+,+) - F(+,-) - F(-,+) + F(-,-)}{4\,\epsilon^2},
+        \qquad F(s, t) = f\big(y + s\,\epsilon\, e_j,\ G(z + t\,\epsilon\, v)\big)
+
+    for every entry j of every leaf of y. Truncation error is :math:`O(\epsilon^2)`. It costs
+    four evaluations of f and G per entry of y, so use it on tiny cases, in float64.
+
+    Returns:
+        Tensors with the structure of y.
+    """
+    call = "finite_difference_mixed_grad(f, G, z, y)"
+    y_leaves, y_spec, v = _checks.mixed_args(call, f, G, z, y, v)
+    with torch.no_grad():
+        g_plus, g_minus = G(z + eps * v), G(z - eps * v)
+
+        def F(leaves, g):
+            out = f(tree_unflatten(leaves, y_spec), g)
+            _checks.check_scalar_output(call, out)
+            return out.reshape(()).item()
+
+        result = []
+        for i, leaf in enumerate(y_leaves):
+            out = torch.empty_like(leaf)
+            for j in range(leaf.numel()):
+                values = []
+                for sign in (1.0, -1.0):
+                    step = torch.zeros_like(leaf).view(-1)
+                    step[j] = sign * eps
+                    leaves = list(y_leaves)
+                    leaves[i] = leaf + step.view_as(leaf)
+                    values.append(F(leaves, g_plus) - F(leaves, g_minus))
+                out.view(-1)[j] = (values[0] - values[1]) / (4 * eps * eps)
+            result.append(out)
+    return tree_unflatten(result, y_spec)
