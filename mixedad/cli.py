@@ -13,8 +13,8 @@ def build_parser():
     demo.add_argument("--model", choices=["mlp", "dcgan"], default="mlp")
     demo.add_argument("--depth", type=int, default=64,
                       help="Linear layers (mlp) or extra conv blocks per stage (dcgan)")
-    demo.add_argument("--width", type=int, default=256, help="hidden width (mlp) or latent size (dcgan)")
-    demo.add_argument("--batch", type=int, default=64)
+    demo.add_argument("--width", type=int, default=512, help="hidden width (mlp) or latent size (dcgan)")
+    demo.add_argument("--batch", type=int, default=256)
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")

@@ -54,6 +54,56 @@ def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
     return tree_unflatten(result, y_spec)
 
 
+def _second_difference(call, f, y_spec, g_plus, g_minus, eps):
+    """(F(+,+) - F(+,-) - F(-,+) + F(-,-)) / (4 eps^2) for y leaves shifted by +-eps * w."""
+
+    def F(leaves, g):
+        out = f(tree_unflatten(leaves, y_spec), g)
+        _checks.check_scalar_output(call, out)
+        return out.reshape(()).item()
+
+    def difference(y_leaves, w_leaves):
+        plus = [leaf + eps * w for leaf, w in zip(y_leaves, w_leaves)]
+        minus = [leaf - eps * w for leaf, w in zip(y_leaves, w_leaves)]
+        return (F(plus, g_plus) - F(plus, g_minus) - F(minus, g_plus) + F(minus, g_minus)) / (4 * eps * eps)
+
+    return difference
+
+
+def _shifted_outputs(G, z, v, eps):
+    return G(z + eps * v), G(z - eps * v)
+
+
+def finite_difference_mixed_directional(f, G, z, y, v=None, *, w, eps=1e-4):
+    r"""Reference for :math:`\langle w, \mathrm{mixed\_grad}(f, G, z, y, v)\rangle`, no autograd.
+
+    .. math::
+
+        \langle w, \mathrm{result}\rangle \approx
+            \frac{F(+,+) - F(+,-) - F(-,+) + F(-,-)}{4\,\epsilon^2},
+        \qquad F(s, t) = f\big(y + s\,\epsilon\, w,\ G(z + t\,\epsilon\, v)\big)
+
+    One mixed second difference: four evaluations of f and two of G, whatever the size, so it
+    checks large cases too. Truncation error is :math:`O(\epsilon^2)`; use float64.
+
+    Args:
+        w: keyword-only, a direction with y's structure.
+
+    Returns:
+        A Python float.
+    """
+    call = "finite_difference_mixed_directional(f, G, z, y)"
+    y_leaves, y_spec, v = _checks.mixed_args(call, f, G, z, y, v)
+    w_leaves, w_spec = _checks.flatten_y(call, w)
+    if w_spec != y_spec:
+        raise ValueError(f"{call}: expected w to have y's structure {y_spec}, got {w_spec}.")
+    for i, (wl, yl) in enumerate(zip(w_leaves, y_leaves)):
+        _checks.check_like(call, f"w's leaf {i}", wl, yl, f"y's leaf {i}")
+    with torch.no_grad():
+        difference = _second_difference(call, f, y_spec, *_shifted_outputs(G, z, v, eps), eps)
+        return difference(y_leaves, w_leaves)
+
+
 def finite_difference_mixed_grad(f, G, z, y, v=None, *, eps=1e-4):
     r"""Reference for :func:`mixedad.mixed_grad` by central finite differences, no autograd.
 
@@ -63,7 +113,7 @@ def finite_difference_mixed_grad(f, G, z, y, v=None, *, eps=1e-4):
         \qquad F(s, t) = f\big(y + s\,\epsilon\, e_j,\ G(z + t\,\epsilon\, v)\big)
 
     for every entry j of every leaf of y. Truncation error is :math:`O(\epsilon^2)`. It costs
-    four evaluations of f and G per entry of y, so use it on tiny cases, in float64.
+    four evaluations of f per entry of y, so use it on tiny cases, in float64.
 
     Returns:
         Tensors with the structure of y.
@@ -71,24 +121,13 @@ def finite_difference_mixed_grad(f, G, z, y, v=None, *, eps=1e-4):
     call = "finite_difference_mixed_grad(f, G, z, y)"
     y_leaves, y_spec, v = _checks.mixed_args(call, f, G, z, y, v)
     with torch.no_grad():
-        g_plus, g_minus = G(z + eps * v), G(z - eps * v)
-
-        def F(leaves, g):
-            out = f(tree_unflatten(leaves, y_spec), g)
-            _checks.check_scalar_output(call, out)
-            return out.reshape(()).item()
-
+        difference = _second_difference(call, f, y_spec, *_shifted_outputs(G, z, v, eps), eps)
         result = []
         for i, leaf in enumerate(y_leaves):
             out = torch.empty_like(leaf)
             for j in range(leaf.numel()):
-                values = []
-                for sign in (1.0, -1.0):
-                    step = torch.zeros_like(leaf).view(-1)
-                    step[j] = sign * eps
-                    leaves = list(y_leaves)
-                    leaves[i] = leaf + step.view_as(leaf)
-                    values.append(F(leaves, g_plus) - F(leaves, g_minus))
-                out.view(-1)[j] = (values[0] - values[1]) / (4 * eps * eps)
+                basis = [torch.zeros_like(other) for other in y_leaves]
+                basis[i].view(-1)[j] = 1.0
+                out.view(-1)[j] = difference(y_leaves, basis)
             result.append(out)
     return tree_unflatten(result, y_spec)

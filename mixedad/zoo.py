@@ -5,6 +5,13 @@ BatchNorm, random running statistics so eval mode is not the identity). Construc
 global RNG, so building a generator leaves the caller's random state as it was. Members are
 returned in eval mode with parameters that require grad, as a freshly loaded pretrained model
 would be; mixedad treats them as frozen either way.
+
+Random deep networks at PyTorch's default initialisation have vanishing Jacobians: through 64
+tanh layers J_G v shrinks to about 1e-16, and every derivative a test compares would be
+numerically zero. So each member is calibrated once after construction, like a trained
+generator's well-conditioned Jacobian: walking the layers in order with a random input and
+tangent, each Linear or convolution weight is rescaled so that the tangent leaves it with unit
+standard deviation (a data-independent form of LSUV initialisation, applied to J_G v).
 """
 import torch
 from torch import nn
@@ -12,7 +19,11 @@ from torch import nn
 __all__ = ["mlp", "dcgan", "latent_shape"]
 
 
-def _seeded(build, seed):
+_WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+             nn.ConvTranspose3d)
+
+
+def _seeded(build, seed, input_shape):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = build()
@@ -20,7 +31,22 @@ def _seeded(build, seed):
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
                 m.running_mean.normal_(0.0, 0.1)
                 m.running_var.uniform_(0.5, 1.5)
-    return module.eval()
+        module.eval()
+        _calibrate(module, input_shape)
+    return module
+
+
+@torch.no_grad()
+def _calibrate(module, input_shape):
+    """Rescale each weighted layer so a random tangent leaves it with unit standard deviation."""
+    x = torch.randn(input_shape)
+    t = torch.randn(input_shape)
+    for layer in module:
+        if isinstance(layer, _WEIGHTED):
+            _, t_out = torch.func.jvp(layer, (x,), (t,))
+            # Bias does not enter the tangent, so one rescale is exact.
+            layer.weight.div_(t_out.std())
+        x, t = torch.func.jvp(layer, (x,), (t,))
 
 
 def _finish(module, dtype, device):
@@ -35,7 +61,7 @@ def mlp(depth=8, width=64, *, in_features=None, out_features=None, activation="t
         depth: number of Linear layers (>= 1).
         width: hidden width; also the default for in_features and out_features.
         in_features, out_features: input and output sizes (keyword-only).
-        activation: "tanh", "relu", "gelu" or "softplus".
+        activation: "tanh", "relu", "leaky_relu" or "softplus".
         seed, dtype, device: construction options.
 
     Returns:
@@ -43,7 +69,7 @@ def mlp(depth=8, width=64, *, in_features=None, out_features=None, activation="t
     """
     if depth < 1:
         raise ValueError(f"zoo.mlp: expected depth >= 1, got {depth}.")
-    acts = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "softplus": nn.Softplus}
+    acts = {"tanh": nn.Tanh, "relu": nn.ReLU, "leaky_relu": nn.LeakyReLU, "softplus": nn.Softplus}
     if activation not in acts:
         raise ValueError(f"zoo.mlp: expected activation in {sorted(acts)}, got {activation!r}.")
     sizes = [in_features or width] + [width] * (depth - 1) + [out_features or width]
@@ -56,7 +82,7 @@ def mlp(depth=8, width=64, *, in_features=None, out_features=None, activation="t
                 layers.append(acts[activation]())
         return nn.Sequential(*layers)
 
-    return _finish(_seeded(build, seed), dtype, device)
+    return _finish(_seeded(build, seed, (64, sizes[0])), dtype, device)
 
 
 class _Reshape(nn.Module):
@@ -108,7 +134,7 @@ def dcgan(latent_dim=16, channels=8, *, image_size=32, extra_blocks=0, out_chann
         layers += [nn.ConvTranspose2d(c, out_channels, 4, 2, 1), nn.Tanh()]
         return nn.Sequential(*layers)
 
-    return _finish(_seeded(build, seed), dtype, device)
+    return _finish(_seeded(build, seed, (8, latent_dim)), dtype, device)
 
 
 def latent_shape(G, batch):

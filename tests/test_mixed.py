@@ -4,7 +4,11 @@ import torch
 
 import mixedad
 from mixedad import zoo
-from mixedad.reference import double_backward_mixed_grad, finite_difference_mixed_grad
+from mixedad.reference import (
+    double_backward_mixed_grad,
+    finite_difference_mixed_directional,
+    finite_difference_mixed_grad,
+)
 from mixedad.testing import assert_close
 
 F64 = torch.float64
@@ -208,3 +212,21 @@ def test_G_output_pytree():
 
     z, y, v = (torch.randn(4, 8, dtype=F64) for _ in range(3))
     assert_close(mixedad.mixed_grad(f, G, z, y, v), double_backward_mixed_grad(f, G, z, y, v))
+
+
+def test_matches_directional_finite_difference_on_a_deep_generator():
+    """One autograd-free second difference checks a case too big for entrywise differences."""
+    G = zoo.mlp(32, 64, seed=21, dtype=F64)
+    z, y, v, w = (_randn(16, 64, seed=s) for s in (22, 23, 24, 25))
+    result = mixedad.mixed_grad(cubic, G, z, y, v)
+    fd = finite_difference_mixed_directional(cubic, G, z, y, v, w=w)
+    assert abs((w * result).sum().item() - fd) <= 1e-5 * abs(fd)
+
+
+def test_directional_finite_difference_checks_w():
+    f, G, z, y, v = CASES["pytree_y"]("cpu", F64)
+    with pytest.raises(ValueError, match=r"finite_difference_mixed_directional\(f, G, z, y\): expected w to have y's structure"):
+        finite_difference_mixed_directional(f, G, z, y, v, w=[y["A"]])
+    bad = dict(y, b=torch.zeros(5, dtype=F64))
+    with pytest.raises(ValueError, match=r"w's leaf 1 must have y's leaf 1's shape \(4,\), got \(5,\)"):
+        finite_difference_mixed_directional(f, G, z, y, v, w=bad)

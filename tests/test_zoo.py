@@ -35,3 +35,21 @@ def test_seeds_differ_and_batchnorm_stats_are_random():
 def test_bad_arguments(call, pattern):
     with pytest.raises(ValueError, match=pattern):
         call()
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu", "leaky_relu", "softplus"])
+def test_deep_mlp_jacobian_neither_vanishes_nor_explodes(activation):
+    """Calibration keeps J_G v at unit scale, so deep-network derivatives are not numerically zero."""
+    G = zoo.mlp(64, 128, activation=activation, dtype=torch.float64)
+    z, v = torch.randn(32, 128, dtype=torch.float64), torch.randn(32, 128, dtype=torch.float64)
+    with torch.no_grad():
+        _, jv = torch.func.jvp(G, (z,), (v,))
+    assert 0.2 < jv.std().item() < 5.0
+
+
+def test_deep_dcgan_jacobian_neither_vanishes_nor_explodes():
+    G = zoo.dcgan(latent_dim=16, channels=4, image_size=16, extra_blocks=8, dtype=torch.float64)
+    z, v = torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    with torch.no_grad():
+        _, jv = torch.func.jvp(G, (z,), (v,))
+    assert 0.1 < jv.std().item() < 10.0
