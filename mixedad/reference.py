@@ -84,7 +84,8 @@ def finite_difference_mixed_directional(f, G, z, y, v=None, *, w, eps=1e-4):
         \qquad F(s, t) = f\big(y + s\,\epsilon\, w,\ G(z + t\,\epsilon\, v)\big)
 
     One mixed second difference: four evaluations of f and two of G, whatever the size, so it
-    checks large cases too. Truncation error is :math:`O(\epsilon^2)`; use float64.
+    checks large cases too. Truncation error is :math:`O(\epsilon^2)`; use float64. f and G
+    must be smooth near (y, z): a step across a ReLU kink makes the difference wrong.
 
     Args:
         w: keyword-only, a direction with y's structure.
@@ -113,7 +114,8 @@ def finite_difference_mixed_grad(f, G, z, y, v=None, *, eps=1e-4):
         \qquad F(s, t) = f\big(y + s\,\epsilon\, e_j,\ G(z + t\,\epsilon\, v)\big)
 
     for every entry j of every leaf of y. Truncation error is :math:`O(\epsilon^2)`. It costs
-    four evaluations of f per entry of y, so use it on tiny cases, in float64.
+    four evaluations of f per entry of y, so use it on tiny cases, in float64. f and G must be
+    smooth near (y, z): a step across a ReLU kink makes the difference wrong.
 
     Returns:
         Tensors with the structure of y.

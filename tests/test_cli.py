@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mixedad.cli import main
 from mixedad.demo import run_demo
@@ -38,3 +39,11 @@ def test_bad_cli_arguments():
         main(["demo", "--depth", "0"])
     with pytest.raises(SystemExit):
         main(["demo", "--model", "vae"])
+
+
+def test_demo_fd_check_only_where_finite_differences_are_valid():
+    mlp64 = run_demo(depth=4, width=16, batch=4, repeats=1, out=io.StringIO())
+    mlp32 = run_demo(depth=4, width=16, batch=4, repeats=1, dtype=torch.float32, out=io.StringIO())
+    dcgan = run_demo(model="dcgan", depth=1, width=8, batch=2, repeats=1, out=io.StringIO())
+    assert mlp64[0]["fd_rel_error"] < 1e-5
+    assert mlp32[0]["fd_rel_error"] is None and dcgan[0]["fd_rel_error"] is None
