@@ -1,5 +1,5 @@
 """Mixed second derivatives through a frozen G: mixed_grad."""
-import torch
+from torch.func import grad, jvp
 
 from mixedad import _checks
 from mixedad._trees import tree_unflatten
@@ -70,31 +70,24 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False):
 def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, *, create_graph):
     r"""Reverse-mode back end: :math:`\partial_y \langle \nabla_g f(y, g), \dot g\rangle`.
 
-    Differentiates f once with create_graph to get ∇_g f as a function of y, then once more
-    along the tangent :math:`\dot g`. Only f's (cheap) graph is ever built. Returns a list of
-    tensors, one per leaf of y.
+    The directional derivative of f in g along :math:`\dot g` is a forward-mode product through
+    f alone; its gradient in y is one reverse pass through f alone. Both are torch.func
+    transforms, so the whole of mixed_grad composes with ``torch.func.vmap``; neither touches
+    the requires_grad flags of y, and both work under an outer ``torch.no_grad()``. Returns a
+    list of tensors, one per leaf of y: zeros for leaves the result does not depend on.
     """
-    with torch.enable_grad():
-        # Work on aliases of y that require grad, never on the user's flags. A leaf that
-        # already requires grad is used as is, so create_graph=True connects to its history.
-        y_work = [leaf if leaf.requires_grad else leaf.detach().requires_grad_() for leaf in y_leaves]
-        g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]
-        out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_work, g_spec))
-        _checks.check_scalar_output(call, out)
-        out = out.reshape(())
-        if out.requires_grad:
-            df_dg = torch.autograd.grad(out, g_work, create_graph=True, allow_unused=True)
-        else:
-            df_dg = [None] * len(g_work)
-        pairs = [(d, t) for d, t in zip(df_dg, tangent_leaves) if d is not None and d.requires_grad]
-        if pairs:
-            grads = torch.autograd.grad(
-                [d for d, _ in pairs],
-                y_work,
-                grad_outputs=[t for _, t in pairs],
-                create_graph=create_graph,
-                allow_unused=True,
-            )
-        else:
-            grads = [None] * len(y_work)
-    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, y_leaves)]
+    g_primals, g_tangents = tuple(g_leaves), tuple(tangent_leaves)
+
+    def directional(y_work):
+        y_tree = tree_unflatten(list(y_work), y_spec)
+
+        def f_of_g(*g_work):
+            out = f(y_tree, tree_unflatten(list(g_work), g_spec))
+            _checks.check_scalar_output(call, out)
+            return out.reshape(())
+
+        return jvp(f_of_g, g_primals, g_tangents)[1]
+
+    grads = grad(directional)(tuple(y_leaves))
+    # torch.func.grad's result stays connected to the outer autograd graph of y's leaves.
+    return [g if create_graph else g.detach() for g in grads]
