@@ -2,11 +2,23 @@
 
 The public surface. Besides the functions below, the submodules ``mixedad.reference``
 (double-backward ground truth), ``mixedad.profiling`` (exact peak memory), ``mixedad.testing``
-(comparisons) and ``mixedad.zoo`` (random-weight generators) are public.
+(comparisons), ``mixedad.zoo`` (random-weight generators) and ``mixedad.distributed``
+(sharding latent codes across processes) are public.
 """
-from mixedad import profiling, reference, testing, zoo
-from mixedad.mixed import mixed_grad
+from mixedad import distributed, profiling, reference, testing, zoo
+from mixedad.input_grad import input_grad
+from mixedad.mixed import mixed_grad, mixed_jacobian
 
 __version__ = "0.1.0"
 
-__all__ = ["mixed_grad", "profiling", "reference", "testing", "zoo", "__version__"]
+__all__ = [
+    "input_grad",
+    "mixed_grad",
+    "mixed_jacobian",
+    "distributed",
+    "profiling",
+    "reference",
+    "testing",
+    "zoo",
+    "__version__",
+]

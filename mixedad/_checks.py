@@ -88,3 +88,61 @@ def mixed_args(call, f, G, z, y, v):
     else:
         check_like(call, "v", v, z, "z")
     return y_leaves, y_spec, v
+
+
+def check_chunk_size(call, chunk_size):
+    """Check that chunk_size is None or a positive int, and return it."""
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"{call}: expected chunk_size to be None or a positive int, got {chunk_size!r}.")
+    if chunk_size < 1:
+        raise ValueError(f"{call}: expected chunk_size to be None or a positive int, got {chunk_size!r}.")
+    return chunk_size
+
+
+def chunk_slices(call, z, chunk_size):
+    """Slices of z's leading dimension, ``chunk_size`` codes each; one slice of all if None."""
+    if check_chunk_size(call, chunk_size) is None:
+        return [slice(None)]
+    if z.dim() == 0:
+        raise ValueError(
+            f"{call}: chunk_size needs z's leading dimension to index latent codes, got a 0-d z."
+        )
+    n = z.shape[0]
+    return [slice(start, min(start + chunk_size, n)) for start in range(0, n, chunk_size)]
+
+
+def check_z_constant(call, z):
+    """Refuse a z that requires grad where the result cannot be differentiated in z."""
+    if z.requires_grad:
+        raise ValueError(
+            f"{call}: z requires grad, but the result cannot be differentiated with respect to z: "
+            f"that is a second derivative through G (its curvature), which this method avoids. "
+            f"Pass z.detach() if you need derivatives in y only, or use "
+            f"mixedad.reference.double_backward_input_grad for derivatives in z."
+        )
+
+
+def check_no_foreign_leaves(call, out, allowed):
+    """Raise if out's graph reaches a leaf that requires grad other than those in ``allowed``.
+
+    Such a leaf is a tensor f closes over; input_grad's backward produces gradients for y's
+    leaves only, so its gradient would be silently lost.
+    """
+    allowed_ids = {id(t) for t in allowed}
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None and id(leaf) not in allowed_ids:
+            raise ValueError(
+                f"{call}: f reads {describe(leaf)} that requires grad but is not part of y; its "
+                f"gradient would be lost. Pass it inside y (y may be a tuple, list or dict of "
+                f"tensors; for an nn.Module inside f, pass dict(module.named_parameters()) and call "
+                f"it with torch.func.functional_call), or detach it if it is a constant."
+            )
+        stack.extend(next_node for next_node, _ in node.next_functions)

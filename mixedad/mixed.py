@@ -1,5 +1,6 @@
 """Mixed second derivatives through a frozen G: mixed_grad."""
-from torch.func import grad, jvp
+import torch
+from torch.func import grad, jvp, vmap
 
 from mixedad import _checks
 from mixedad._trees import tree_unflatten
@@ -65,6 +66,54 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False):
         call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph=create_graph
     )
     return tree_unflatten(result, y_spec)
+
+
+def mixed_jacobian(f, G, z, y, *, chunk_size=None):
+    r"""The full mixed second derivative of f(y, G(z)) in z and y.
+
+    .. math::
+
+        \mathrm{mixed\_jacobian}(f, G, z, y)[i\ldots, j\ldots]
+            = \frac{\partial^2 f(y, G(z))}{\partial z_{i\ldots}\,\partial y_{j\ldots}}
+
+    Row i is :func:`mixed_grad` with v the i-th basis vector of z's space; the rows are
+    computed with ``torch.func.vmap`` over batches of basis vectors, each batch one batched
+    forward-mode pass through G.
+
+    Memory: a batch of b tangents costs b times the tangent part of one mixed_grad call, plus
+    the result, which holds ``z.numel() * y.numel()`` numbers. ``chunk_size`` bounds b (the
+    default, None, pushes all ``z.numel()`` tangents at once). Peak memory does not grow with
+    G's depth.
+
+    Args:
+        f, G: as for :func:`mixed_grad`.
+        z: floating-point tensor.
+        y: floating-point tensor (not a pytree).
+        chunk_size: keyword-only; None or the number of basis tangents per batch.
+
+    Returns:
+        A tensor of shape ``z.shape + y.shape`` with y's dtype.
+
+    Example:
+        >>> import torch, mixedad
+        >>> G = lambda x: x.sum(dim=1).exp()
+        >>> f = lambda y, g: ((y.sum(dim=1) + g) ** 3).sum()
+        >>> mixedad.mixed_jacobian(f, G, torch.rand(3, 4), torch.rand(3, 4), chunk_size=5).shape
+        torch.Size([3, 4, 3, 4])
+    """
+    call = "mixed_jacobian(f, G, z, y)"
+    _checks.mixed_args(call, f, G, z, y, None)
+    _checks.check_float_tensor(call, "y", y)
+    n = z.numel()
+    step = _checks.check_chunk_size(call, chunk_size) or n
+    rows_of = vmap(lambda v: mixed_grad(f, G, z, y, v))
+    rows = []
+    for start in range(0, n, step):
+        index = torch.arange(start, min(start + step, n), device=z.device)
+        basis = torch.zeros(len(index), n, dtype=z.dtype, device=z.device)
+        basis[torch.arange(len(index), device=z.device), index] = 1.0
+        rows.append(rows_of(basis.reshape(len(index), *z.shape)))
+    return torch.cat(rows).reshape(*z.shape, *y.shape)
 
 
 def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, *, create_graph):

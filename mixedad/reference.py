@@ -8,6 +8,7 @@ import torch
 
 from mixedad import _checks
 from mixedad._trees import tree_unflatten
+from mixedad.tangents import frozen
 
 
 def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
@@ -52,6 +53,60 @@ def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
             grads = [None] * len(y_work)
     result = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, y_leaves)]
     return tree_unflatten(result, y_spec)
+
+
+def double_backward_input_grad(f, G, z, y, *, chunk_size=None):
+    r"""Reference for :func:`mixedad.input_grad`: the naive create_graph code.
+
+    .. math::
+
+        \frac{\partial}{\partial z} \sum_c f\big(y, G(z_c)\big)
+        \quad\text{via}\quad
+        \texttt{torch.autograd.grad}(f(y, G(z_c)), z_c, \texttt{create\_graph=True})
+
+    for each chunk :math:`z_c` of ``chunk_size`` codes (all of z when None), concatenated. Every
+    chunk's graph through G stays alive until the result is freed, so memory grows with G's
+    depth times the number of codes: this is the code that runs out of memory. G's parameters
+    are treated as constants, as in :func:`mixedad.input_grad`. Unlike it, the result may be
+    differentiated in z (pass a z that requires grad) and any number of times.
+    """
+    call = "double_backward_input_grad(f, G, z, y)"
+    y_leaves, y_spec, _ = _checks.mixed_args(call, f, G, z, y, None)
+    pieces = []
+    with torch.enable_grad():
+        for c in _checks.chunk_slices(call, z, chunk_size):
+            z_c = z[c] if z.requires_grad else z[c].detach().requires_grad_()
+            out = f(tree_unflatten(list(y_leaves), y_spec), frozen(G)(z_c))
+            _checks.check_scalar_output(call, out)
+            (d,) = torch.autograd.grad(out.reshape(()), z_c, create_graph=True, allow_unused=True)
+            pieces.append(torch.zeros_like(z_c) if d is None else d)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def double_backward_mixed_jacobian(f, G, z, y):
+    r"""Reference for :func:`mixedad.mixed_jacobian`, one double-backward row at a time.
+
+    .. math::
+
+        J[i\ldots, j\ldots] = \frac{\partial^2 f(y, G(z))}{\partial z_{i\ldots}\, \partial y_{j\ldots}}
+
+    Returns a tensor of shape ``z.shape + y.shape``. It differentiates every entry of
+    ∂f/∂z separately, so use it on small cases.
+    """
+    call = "double_backward_mixed_jacobian(f, G, z, y)"
+    _checks.mixed_args(call, f, G, z, y, None)
+    _checks.check_float_tensor(call, "y", y)
+    with torch.enable_grad():
+        z_work = z.detach().requires_grad_()
+        y_work = y if y.requires_grad else y.detach().requires_grad_()
+        out = f(y_work, G(z_work))
+        _checks.check_scalar_output(call, out)
+        (df_dz,) = torch.autograd.grad(out.reshape(()), z_work, create_graph=True)
+        rows = []
+        for entry in df_dz.reshape(-1):
+            (row,) = torch.autograd.grad(entry, y_work, retain_graph=True, allow_unused=True)
+            rows.append(torch.zeros_like(y) if row is None else row.detach())
+    return torch.stack(rows).reshape(*z.shape, *y.shape)
 
 
 def _second_difference(call, f, y_spec, g_plus, g_minus, eps):

@@ -5,7 +5,8 @@ Jacobian-vector product J_G(z) v together, keeping only the activations of the l
 evaluated. No reverse graph through G is recorded, even when G's parameters require grad.
 """
 import torch
-from torch.func import jvp
+from torch import nn
+from torch.func import functional_call, jvp
 
 from mixedad._trees import describe, tree_flatten
 
@@ -42,3 +43,21 @@ def push_tangent(call, G, z, v):
                 f"{call}: expected {where} to be a floating-point tensor, got {describe(leaf)}."
             )
     return g_leaves, tangent_leaves, spec
+
+
+def frozen(G):
+    """G as a callable whose parameters are constants for autograd.
+
+    For an ``nn.Module``, the call goes through ``torch.func.functional_call`` with detached
+    parameters: autograd then neither records G's parameters nor keeps the activations their
+    gradients would need, and the module's requires_grad flags are never touched. Other
+    callables are returned as they are.
+    """
+    if not isinstance(G, nn.Module):
+        return G
+
+    def call(*args):
+        params = {name: p.detach() for name, p in G.named_parameters()}
+        return functional_call(G, params, args)
+
+    return call

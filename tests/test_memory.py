@@ -55,3 +55,46 @@ def test_mixed_grad_peak_is_a_few_activations():
     _, peak = peak_memory(mixedad.mixed_grad, f, G, z, y, v)
     activation = z.numel() * z.element_size()
     assert peak <= 12 * activation, peak / activation
+
+
+def _input_grad_step(make, n, depth, width=64, chunk_size=8):
+    """Peaks of g(input_grad(...), x).backward(): (forward, backward above what forward left, total)."""
+    from mixedad.profiling import StorageCounter
+
+    G = zoo.mlp(depth, width, seed=0, dtype=F64)
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(n, width, generator=gen, dtype=F64)
+    y = {"A": torch.randn(width, 16, generator=gen, dtype=F64).requires_grad_(),
+         "t": torch.randn(16, generator=gen, dtype=F64)}
+    x = torch.randn(width, 4, generator=gen, dtype=F64, requires_grad=True)
+
+    def f(y, g):
+        return ((torch.tanh(g @ y["A"]) - y["t"]) ** 2).sum()
+
+    with StorageCounter() as counter:
+        t = torch.log1p((make(f, G, z, y, chunk_size=chunk_size) @ x) ** 2).sum()
+        forward, left = counter.peak, counter.current
+        counter.peak = counter.current
+        t.backward()
+        backward = counter.peak - left
+    return forward, backward, counter.peak
+
+
+def test_input_grad_backward_peak_flat_in_depth():
+    from mixedad.reference import double_backward_input_grad
+
+    ours = [_input_grad_step(mixedad.input_grad, 64, depth)[1] for depth in (4, 32)]
+    naive = [_input_grad_step(double_backward_input_grad, 64, depth)[2] for depth in (4, 32)]
+    assert abs(ours[1] - ours[0]) <= 0.10 * ours[0], ours
+    assert naive[1] > 4 * naive[0], naive
+
+
+def test_input_grad_peak_set_by_chunk_size_not_by_number_of_codes():
+    """From 64 to 512 codes the peak grows by at most 3 z-sized tensors: no per-code graph."""
+    from mixedad.reference import double_backward_input_grad
+
+    z_bytes = (512 - 64) * 64 * 8
+    ours = [_input_grad_step(mixedad.input_grad, n, 16)[2] for n in (64, 512)]
+    naive = [_input_grad_step(double_backward_input_grad, n, 16)[2] for n in (64, 512)]
+    assert ours[1] - ours[0] <= 3 * z_bytes, (ours, z_bytes)
+    assert naive[1] - naive[0] > 10 * z_bytes, (naive, z_bytes)

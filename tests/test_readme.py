@@ -1,4 +1,4 @@
-"""The README's Python code blocks run as written."""
+"""The README's ```python code blocks run as written (```py marks sketches that need a process group)."""
 import pathlib
 import re
 

@@ -1,0 +1,75 @@
+"""mixed_grad under torch.func.vmap, and mixed_jacobian, against double backward."""
+import pytest
+import torch
+
+import mixedad
+from mixedad import zoo
+from mixedad.reference import double_backward_mixed_grad, double_backward_mixed_jacobian, finite_difference_mixed_grad
+from mixedad.testing import assert_close
+
+F64 = torch.float64
+
+
+def cubic(y, g):
+    return ((y + g) ** 3).sum() + (torch.sin(y) * g).sum()
+
+
+def problem():
+    gen = torch.Generator().manual_seed(0)
+    G = zoo.mlp(3, 6, seed=3, dtype=F64)
+    z, y = (torch.randn(4, 6, generator=gen, dtype=F64) for _ in range(2))
+    return G, z, y
+
+
+def test_vmap_over_v_equals_a_loop():
+    G, z, y = problem()
+    V = torch.randn(5, *z.shape, dtype=F64)
+    batched = torch.func.vmap(lambda v: mixedad.mixed_grad(cubic, G, z, y, v))(V)
+    loop = torch.stack([mixedad.mixed_grad(cubic, G, z, y, v) for v in V])
+    ref = torch.stack([double_backward_mixed_grad(cubic, G, z, y, v) for v in V])
+    assert_close(batched, loop)
+    assert_close(batched, ref)
+
+
+def test_vmap_with_pytree_y_and_chunk_size():
+    G, z, _ = problem()
+    y = {"a": torch.randn(6, dtype=F64), "b": (torch.randn(4, 6, dtype=F64),)}
+    f = lambda y, g: ((g * y["a"] + y["b"][0]) ** 3).sum()  # noqa: E731
+    V = torch.randn(7, *z.shape, dtype=F64)
+    batched = torch.func.vmap(lambda v: mixedad.mixed_grad(f, G, z, y, v), chunk_size=3)(V)
+    for i, v in enumerate(V):
+        assert_close(torch.utils._pytree.tree_map(lambda t: t[i], batched), double_backward_mixed_grad(f, G, z, y, v))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 5, 24, 1000])
+def test_mixed_jacobian_matches_double_backward(chunk_size):
+    G, z, y = problem()
+    jac = mixedad.mixed_jacobian(cubic, G, z, y, chunk_size=chunk_size)
+    assert jac.shape == z.shape + y.shape
+    assert_close(jac, double_backward_mixed_jacobian(cubic, G, z, y))
+
+
+def test_mixed_jacobian_contracts_to_mixed_grad_and_finite_differences():
+    G, z, y = problem()
+    v = torch.randn_like(z)
+    jac = mixedad.mixed_jacobian(cubic, G, z, y, chunk_size=8)
+    contracted = torch.tensordot(v, jac, dims=z.dim())
+    assert_close(contracted, mixedad.mixed_grad(cubic, G, z, y, v))
+    assert_close(contracted, finite_difference_mixed_grad(cubic, G, z, y, v), rtol=1e-6)
+
+
+def test_mixed_jacobian_shapes_of_different_rank():
+    G = lambda z: torch.tanh(z).sum(0)  # noqa: E731  z (2, 3) -> g (3,)
+    f = lambda y, g: (y.sum() * g ** 2).sum() + (y[0, 0] * g).sum()  # noqa: E731  y (4, 5)
+    z, y = torch.randn(2, 3, dtype=F64), torch.randn(4, 5, dtype=F64)
+    jac = mixedad.mixed_jacobian(f, G, z, y)
+    assert jac.shape == (2, 3, 4, 5)
+    assert_close(jac, double_backward_mixed_jacobian(f, G, z, y))
+
+
+def test_mixed_jacobian_bad_input():
+    G, z, y = problem()
+    with pytest.raises(TypeError, match=r"mixed_jacobian\(f, G, z, y\): expected y to be a tensor, got dict"):
+        mixedad.mixed_jacobian(cubic, G, z, {"y": y})
+    with pytest.raises(ValueError, match=r"mixed_jacobian\(f, G, z, y\): expected chunk_size .* got -1"):
+        mixedad.mixed_jacobian(cubic, G, z, y, chunk_size=-1)
