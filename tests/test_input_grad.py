@@ -175,3 +175,26 @@ def test_chunks_need_a_leading_dimension():
     with pytest.raises(ValueError, match="0-d z"):
         mixedad.input_grad(lambda y, g: (y * g).sum(), torch.sin, torch.tensor(1.0, dtype=F64),
                            torch.ones((), dtype=F64), chunk_size=1)
+
+
+def test_generator_returning_a_pytree():
+    mlp = zoo.mlp(3, 8, seed=11, dtype=F64)
+    G = lambda z: {"image": mlp(z), "code": (torch.tanh(z),)}  # noqa: E731
+
+    def f(y, g):
+        return measurement_objective(y, g["image"]) + (g["code"][0] @ y["A"] * y["b"]).pow(2).sum()
+
+    _, z, y, x = problem()
+    a = pipeline(lambda *args: mixedad.input_grad(*args, chunk_size=3), G, z, y, x)
+    b = pipeline(lambda *args: double_backward_input_grad(*args, chunk_size=3), G, z, y, x)
+    assert_close(a, b)
+
+
+def test_seed_pipeline_on_each_device(device):
+    G, z, y, x = problem()
+    G, z, x = G.to(device), z.to(device), x.to(device)
+    y = {k: v.to(device) for k, v in y.items()}
+    ours = pipeline(lambda *a: mixedad.input_grad(*a, chunk_size=2), G, z, y, x)
+    naive = pipeline(double_backward_input_grad, G, z, y, x)
+    assert ours[2].device.type == device
+    assert_close(ours, naive)
