@@ -74,20 +74,52 @@ def check_scalar_output(call, out):
         )
 
 
+def flatten_z(call, z):
+    """z as a tuple of floating-point tensors: a tensor gives (z,); a tuple or list is G(*z)."""
+    if isinstance(z, (tuple, list)):
+        if not z:
+            raise ValueError(f"{call}: expected z to hold at least one tensor, got an empty {type(z).__name__}.")
+        for i, zi in enumerate(z):
+            check_float_tensor(call, f"z[{i}]", zi)
+        devices = {zi.device for zi in z}
+        if len(devices) > 1:
+            raise ValueError(f"{call}: expected every z[i] on one device, got {sorted(map(str, devices))}.")
+        return tuple(z)
+    check_float_tensor(call, "z", z)
+    return (z,)
+
+
 def mixed_args(call, f, G, z, y, v):
     """Validate the ``f, G, z, y, v`` arguments shared by mixedad's mixed derivatives.
 
-    Returns ``(y_leaves, y_spec, v)`` with v defaulted to ``torch.ones_like(z)``.
+    z is a tensor, or a tuple/list of tensors that G takes positionally (``G(*z)``); v then has
+    the same structure. Returns ``(zs, y_leaves, y_spec, vs)``: z and v as tuples of tensors,
+    v defaulted to ones.
     """
     check_callable(call, "f", f)
     check_callable(call, "G", G)
-    check_float_tensor(call, "z", z)
+    zs = flatten_z(call, z)
     y_leaves, y_spec = flatten_y(call, y)
     if v is None:
-        v = torch.ones_like(z)
-    else:
+        vs = tuple(torch.ones_like(zi) for zi in zs)
+    elif len(zs) == 1 and not isinstance(z, (tuple, list)):
         check_like(call, "v", v, z, "z")
-    return y_leaves, y_spec, v
+        vs = (v,)
+    else:
+        if not isinstance(v, (tuple, list)) or len(v) != len(zs):
+            raise TypeError(f"{call}: expected v to be a tuple of {len(zs)} tensors like z, got {describe(v)}.")
+        for i, (vi, zi) in enumerate(zip(v, zs)):
+            check_like(call, f"v[{i}]", vi, zi, f"z[{i}]")
+        vs = tuple(v)
+    return zs, y_leaves, y_spec, vs
+
+
+def check_strategy(call, strategy):
+    from mixedad.tangents import STRATEGIES
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{call}: expected strategy in {STRATEGIES}, got {strategy!r}.")
+    return strategy
 
 
 def check_chunk_size(call, chunk_size):
@@ -105,17 +137,24 @@ def chunk_slices(call, z, chunk_size):
     """Slices of z's leading dimension, ``chunk_size`` codes each; one slice of all if None."""
     if check_chunk_size(call, chunk_size) is None:
         return [slice(None)]
-    if z.dim() == 0:
+    zs = z if isinstance(z, tuple) else (z,)
+    if any(zi.dim() == 0 for zi in zs):
         raise ValueError(
             f"{call}: chunk_size needs z's leading dimension to index latent codes, got a 0-d z."
         )
-    n = z.shape[0]
+    sizes = {zi.shape[0] for zi in zs}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"{call}: chunk_size needs every z[i] to index the same latent codes along dim 0, "
+            f"got leading sizes {sorted(sizes)}."
+        )
+    n = zs[0].shape[0]
     return [slice(start, min(start + chunk_size, n)) for start in range(0, n, chunk_size)]
 
 
-def check_z_constant(call, z):
+def check_z_constant(call, zs):
     """Refuse a z that requires grad where the result cannot be differentiated in z."""
-    if z.requires_grad:
+    if any(zi.requires_grad for zi in zs):
         raise ValueError(
             f"{call}: z requires grad, but the result cannot be differentiated with respect to z: "
             f"that is a second derivative through G (its curvature), which this method avoids. "
@@ -146,3 +185,23 @@ def check_no_foreign_leaves(call, out, allowed):
                 f"it with torch.func.functional_call), or detach it if it is a constant."
             )
         stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def check_devices(call, G, zs, y_leaves):
+    """z, y's leaves and G's parameters and buffers must share a device (0-d CPU tensors aside)."""
+    from torch import nn
+
+    device = zs[0].device
+    for i, leaf in enumerate(y_leaves):
+        if leaf.device != device and not (leaf.dim() == 0 and leaf.device.type == "cpu"):
+            raise ValueError(
+                f"{call}: y's leaf {i} is on {leaf.device} but z is on {device}; move them to one device."
+            )
+    if isinstance(G, nn.Module):
+        for name, t in list(G.named_parameters()) + list(G.named_buffers()):
+            if t.device != device:
+                raise ValueError(
+                    f"{call}: G's {name} is on {t.device} but z is on {device}; move G with "
+                    f"G.to({str(device)!r}) or z with z.to({str(t.device)!r})."
+                )
+            break  # one tensor tells where the module lives; mixed placements are G's own business

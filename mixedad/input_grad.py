@@ -5,12 +5,13 @@ from torch.autograd.function import once_differentiable
 from mixedad import _checks
 from mixedad._trees import tree_flatten, tree_unflatten
 from mixedad.mixed import contract_f_with_tangent
-from mixedad.tangents import frozen, push_tangent
+from mixedad.state import RngState, Snapshot
+from mixedad.tangents import differentiable_attention, eager, frozen, push_tangent
 
 CALL = "input_grad(f, G, z, y)"
 
 
-def input_grad(f, G, z, y, *, chunk_size=None):
+def input_grad(f, G, z, y, *, chunk_size=None, strategy="auto"):
     r"""The input gradient ∂f(y, G(z))/∂z, differentiable with respect to y at O(1) memory in depth.
 
     .. math::
@@ -43,15 +44,23 @@ def input_grad(f, G, z, y, *, chunk_size=None):
     read tensors that require grad other than y's leaves (they would get no gradient); this is
     checked. The result can be differentiated once (``create_graph=True`` through it raises).
 
+    **Train mode.** Dropout draws the same masks in the backward's replay as in the forward
+    (the random state of every chunk is recorded and replayed), and BatchNorm running statistics
+    are updated once per chunk by the forward, as the naive code updates them, and never by the
+    replay (see :mod:`mixedad.state`).
+
     Args:
         f: callable ``f(y, g)`` returning a scalar tensor.
         G: callable or ``nn.Module`` mapping a chunk of z to a tensor or pytree of tensors.
-        z: floating-point tensor that does not require grad.
+        z: floating-point tensor that does not require grad, or a tuple of them that G takes
+            positionally (``G(*z)``; chunks then split every one along dim 0).
         y: floating-point tensor or pytree of tensors.
         chunk_size: keyword-only; None, or the number of latent codes per chunk.
+        strategy: keyword-only; how the backward pushes tangents through G, as for
+            :func:`mixedad.mixed_grad` ("auto", "forward" or "reverse").
 
     Returns:
-        A tensor with z's shape and dtype, connected to autograd through y's leaves.
+        Tensors with z's structure, shapes and dtypes, connected to autograd through y's leaves.
 
     Example:
         >>> import torch, mixedad
@@ -63,17 +72,30 @@ def input_grad(f, G, z, y, *, chunk_size=None):
         >>> y.grad.shape
         torch.Size([8])
     """
-    y_leaves, y_spec, _ = _checks.mixed_args(CALL, f, G, z, y, None)
-    _checks.check_z_constant(CALL, z)
-    chunks = _checks.chunk_slices(CALL, z, chunk_size)
-    return _InputGrad.apply(f, G, z, y_spec, chunks, *y_leaves)
+    zs, y_leaves, y_spec, _ = _checks.mixed_args(CALL, f, G, z, y, None)
+    _checks.check_z_constant(CALL, zs)
+    _checks.check_strategy(CALL, strategy)
+    G = eager(G)
+    _checks.check_devices(CALL, G, zs, y_leaves)
+    chunks = _checks.chunk_slices(CALL, zs, chunk_size)
+    meta = _Meta(f, G, y_spec, chunks, len(zs), strategy)
+    out = _InputGrad.apply(meta, *zs, *y_leaves)
+    return tuple(out) if isinstance(z, (tuple, list)) else out[0]
 
 
-def gradient_chunk(f, G, z_chunk, y_leaves, y_spec):
-    """∂f(y, G(z_chunk))/∂z_chunk by one reverse pass through G, with y treated as constant."""
-    with torch.enable_grad():
-        z_work = z_chunk.detach().requires_grad_()
-        g_leaves, g_spec = tree_flatten(frozen(G)(z_work))
+class _Meta:
+    """What the autograd.Function needs besides tensors."""
+
+    def __init__(self, f, G, y_spec, chunks, n_z, strategy):
+        self.f, self.G, self.y_spec, self.chunks, self.n_z, self.strategy = f, G, y_spec, chunks, n_z, strategy
+        self.rng = []  # the random state before each chunk's forward pass, replayed by backward
+
+
+def gradient_chunk(f, G, z_chunks, y_leaves, y_spec):
+    """∂f(y, G(*z_chunks))/∂z_chunks by one reverse pass through G, with y treated as constant."""
+    with torch.enable_grad(), differentiable_attention():  # the kernels the backward replays
+        z_work = [zc.detach().requires_grad_() for zc in z_chunks]
+        g_leaves, g_spec = tree_flatten(frozen(G)(*z_work))
         g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]
         y_work = [leaf.detach().requires_grad_() for leaf in y_leaves]
         out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_work, g_spec))
@@ -81,36 +103,50 @@ def gradient_chunk(f, G, z_chunk, y_leaves, y_spec):
         _checks.check_no_foreign_leaves(CALL, out, y_work + g_work)
         df_dg = torch.autograd.grad(out.reshape(()), g_work, allow_unused=True) if out.requires_grad else [None] * len(g_work)
         pairs = [(g, d) for g, d in zip(g_leaves, df_dg) if d is not None and g.requires_grad]
-        if not pairs:
-            return torch.zeros_like(z_chunk)
-        (df_dz,) = torch.autograd.grad(
-            [g for g, _ in pairs], z_work, grad_outputs=[d for _, d in pairs], allow_unused=True
-        )
-    return torch.zeros_like(z_chunk) if df_dz is None else df_dz
+        grads = [None] * len(z_work)
+        if pairs:
+            grads = torch.autograd.grad(
+                [g for g, _ in pairs], z_work, grad_outputs=[d for _, d in pairs], allow_unused=True
+            )
+    return [torch.zeros_like(zc) if d is None else d for d, zc in zip(grads, z_chunks)]
 
 
 class _InputGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, f, G, z, y_spec, chunks, *y_leaves):
-        ctx.f, ctx.G, ctx.y_spec, ctx.chunks = f, G, y_spec, chunks
-        ctx.save_for_backward(z, *y_leaves)
-        if len(chunks) == 1:
-            return gradient_chunk(f, G, z, y_leaves, y_spec)
-        out = torch.empty_like(z)  # filled chunk by chunk: one copy of the result, not two
-        for c in chunks:
-            out[c] = gradient_chunk(f, G, z[c], y_leaves, y_spec)
-        return out
+    def forward(ctx, meta, *tensors):
+        zs, y_leaves = tensors[: meta.n_z], tensors[meta.n_z :]
+        ctx.meta = meta
+        ctx.save_for_backward(*tensors)
+        outs = [torch.empty_like(zi) for zi in zs] if len(meta.chunks) > 1 else None
+        for c in meta.chunks:
+            meta.rng.append(RngState())
+            pieces = gradient_chunk(meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec)
+            if outs is None:
+                return tuple(pieces)
+            for out, piece in zip(outs, pieces):
+                out[c] = piece  # filled chunk by chunk: one copy of the result, not two
+        return tuple(outs)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
-        z, *y_leaves = ctx.saved_tensors
+    def backward(ctx, *grad_outs):
+        meta = ctx.meta
+        tensors = ctx.saved_tensors
+        zs, y_leaves = tensors[: meta.n_z], tensors[meta.n_z :]
+        grad_outs = [torch.zeros_like(zi) if g is None else g for g, zi in zip(grad_outs, zs)]
         totals = None
-        for c in ctx.chunks:
-            g_leaves, tangents, g_spec = push_tangent(CALL, ctx.G, z[c], grad_out[c])
-            grads = contract_f_with_tangent(
-                CALL, ctx.f, y_leaves, ctx.y_spec, g_leaves, tangents, g_spec, create_graph=False
-            )
-            totals = grads if totals is None else [t + g for t, g in zip(totals, grads)]
-        y_grads = [t if needed else None for t, needed in zip(totals, ctx.needs_input_grad[5:])]
-        return (None, None, None, None, None, *y_grads)
+        undo = Snapshot(meta.G)  # the replays below must leave no trace in RNG or buffers
+        try:
+            for c, rng in zip(meta.chunks, meta.rng):
+                rng.restore()
+                g_leaves, tangents, g_spec = push_tangent(
+                    CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in grad_outs], strategy=meta.strategy
+                )
+                grads = contract_f_with_tangent(
+                    CALL, meta.f, y_leaves, meta.y_spec, g_leaves, tangents, g_spec, create_graph=False
+                )
+                totals = grads if totals is None else [t + g for t, g in zip(totals, grads)]
+        finally:
+            undo.restore()
+        needs = ctx.needs_input_grad[1 + meta.n_z :]
+        return (None,) + (None,) * meta.n_z + tuple(t if n else None for t, n in zip(totals, needs))

@@ -4,10 +4,11 @@ from torch.func import grad, jvp, vmap
 
 from mixedad import _checks
 from mixedad._trees import tree_unflatten
-from mixedad.tangents import push_tangent
+from mixedad.state import RngState
+from mixedad.tangents import eager, push_tangent
 
 
-def mixed_grad(f, G, z, y, v=None, *, create_graph=False):
+def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
     r"""Mixed derivative d/dy of the input gradient ∂f(y, G(z))/∂z, contracted with v.
 
     .. math::
@@ -18,8 +19,8 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False):
 
     where :math:`J_G(z)` is the Jacobian of the generator G at z and :math:`g = G(z)`.
 
-    The tangent v goes forward through G with forward-mode AD (``torch.func.jvp``); only the
-    cheap f is differentiated twice, in reverse mode. No reverse graph through G is ever
+    The tangent v goes forward through G with forward-mode AD (see :mod:`mixedad.tangents` for
+    which ops take which path); only the cheap f is differentiated twice. No reverse graph through G is ever
     built, so peak memory is that of one forward pass of G holding primal and tangent plus
     f's graph, and does not grow with G's depth. Double backward
     (:func:`mixedad.reference.double_backward_mixed_grad`) keeps all of G's activations.
@@ -31,15 +32,21 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False):
         f: callable ``f(y, g)`` returning a scalar tensor, where g has the structure of G's
             output.
         G: callable (an ``nn.Module`` or a function) mapping z to a tensor or a pytree of
-            tensors. It is treated as frozen: its parameters get no gradient.
-        z: floating-point tensor, the input of G. Batch dimensions may sit anywhere; z is
-            treated as one point. z is a constant here: the result carries no graph to z.
+            tensors. It is treated as frozen: its parameters get no gradient. In train mode,
+            dropout and BatchNorm behave as in one plain forward pass (:mod:`mixedad.state`).
+        z: floating-point tensor, the input of G, or a tuple of them that G takes positionally
+            (``G(*z)``). Batch dimensions may sit anywhere; z is treated as one point. z is a
+            constant here: the result carries no graph to z.
         y: floating-point tensor, or a tuple, list or dict (nested freely) of them. Leaves
             need not require grad.
-        v: tangent with z's shape, dtype and device. Defaults to ``torch.ones_like(z)``,
-            which gives ∂/∂y of the sum of all entries of ∂f/∂z.
+        v: tangent with z's structure, shapes, dtypes and device. Defaults to ones, which
+            gives ∂/∂y of the sum of all entries of ∂f/∂z.
         create_graph: keyword-only. If True, the result is differentiable further with
             respect to y (and anything else f closes over).
+        strategy: keyword-only. "auto" (default) pushes the tangent with forward-mode AD and
+            falls back to two reverse passes through G, with a warning, for ops that have no
+            forward-AD formula or outputs that lose their tangent; "forward" raises instead of
+            falling back; "reverse" always uses the two reverse passes (memory grows with depth).
 
     Returns:
         Tensors with the structure, shapes and dtypes of y. A leaf of y that the mixed
@@ -49,7 +56,9 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False):
     Raises:
         TypeError: f or G not callable; z, v or a leaf of y not a floating-point tensor;
             v of another dtype; f not returning a floating-point tensor.
-        ValueError: v of another shape or device; f returning more than one element; y empty.
+        ValueError: v of another shape or device; f returning more than one element; y empty;
+            z, y or G on different devices; an unknown strategy.
+        RuntimeError: strategy="forward" and G has an op without a forward-AD formula.
 
     Example:
         >>> import torch, mixedad
@@ -59,16 +68,22 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False):
         >>> mixedad.mixed_grad(f, G, z, y).shape
         torch.Size([3, 4])
     """
-    call = "mixed_grad(f, G, z, y)"
-    y_leaves, y_spec, v = _checks.mixed_args(call, f, G, z, y, v)
-    g_leaves, tangent_leaves, g_spec = push_tangent(call, G, z, v)
+    return _mixed_grad("mixed_grad(f, G, z, y)", f, G, z, y, v, create_graph, strategy)
+
+
+def _mixed_grad(call, f, G, z, y, v, create_graph, strategy):
+    zs, y_leaves, y_spec, vs = _checks.mixed_args(call, f, G, z, y, v)
+    _checks.check_strategy(call, strategy)
+    G = eager(G)
+    _checks.check_devices(call, G, zs, y_leaves)
+    g_leaves, tangent_leaves, g_spec = push_tangent(call, G, zs, vs, strategy=strategy)
     result = contract_f_with_tangent(
         call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph=create_graph
     )
     return tree_unflatten(result, y_spec)
 
 
-def mixed_jacobian(f, G, z, y, *, chunk_size=None):
+def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
     r"""The full mixed second derivative of f(y, G(z)) in z and y.
 
     .. math::
@@ -85,11 +100,16 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None):
     default, None, pushes all ``z.numel()`` tangents at once). Peak memory does not grow with
     G's depth.
 
+    Every batch replays the random state of the first, so dropout masks agree across rows and
+    the RNG ends where one forward pass leaves it. BatchNorm in train mode cannot run under
+    vmap (it updates buffers in place); that raises, asking for ``G.eval()``.
+
     Args:
         f, G: as for :func:`mixed_grad`.
         z: floating-point tensor.
         y: floating-point tensor (not a pytree).
         chunk_size: keyword-only; None or the number of basis tangents per batch.
+        strategy: keyword-only; as for :func:`mixed_grad`.
 
     Returns:
         A tensor of shape ``z.shape + y.shape`` with y's dtype.
@@ -102,13 +122,18 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None):
         torch.Size([3, 4, 3, 4])
     """
     call = "mixed_jacobian(f, G, z, y)"
+    _checks.check_float_tensor(call, "z", z)
     _checks.mixed_args(call, f, G, z, y, None)
     _checks.check_float_tensor(call, "y", y)
+    _checks.check_strategy(call, strategy)
+    G = eager(G)
     n = z.numel()
     step = _checks.check_chunk_size(call, chunk_size) or n
-    rows_of = vmap(lambda v: mixed_grad(f, G, z, y, v))
+    rows_of = vmap(lambda v: _mixed_grad(call, f, G, z, y, v, False, strategy), randomness="same")
     rows = []
+    rng = RngState()
     for start in range(0, n, step):
+        rng.restore()
         index = torch.arange(start, min(start + step, n), device=z.device)
         basis = torch.zeros(len(index), n, dtype=z.dtype, device=z.device)
         basis[torch.arange(len(index), device=z.device), index] = 1.0

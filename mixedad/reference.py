@@ -8,7 +8,7 @@ import torch
 
 from mixedad import _checks
 from mixedad._trees import tree_unflatten
-from mixedad.tangents import frozen
+from mixedad.tangents import differentiable_attention, frozen
 
 
 def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
@@ -34,20 +34,22 @@ def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
         torch.Size([3, 4])
     """
     call = "double_backward_mixed_grad(f, G, z, y)"
-    y_leaves, y_spec, v = _checks.mixed_args(call, f, G, z, y, v)
+    zs, y_leaves, y_spec, vs = _checks.mixed_args(call, f, G, z, y, v)
 
-    with torch.enable_grad():
-        z_work = z.detach().requires_grad_()
+    with torch.enable_grad(), differentiable_attention():
+        z_work = [zi.detach().requires_grad_() for zi in zs]
         y_work = [leaf if leaf.requires_grad else leaf.detach().requires_grad_() for leaf in y_leaves]
-        out = f(tree_unflatten(y_work, y_spec), G(z_work))
+        out = f(tree_unflatten(y_work, y_spec), G(*z_work))
         _checks.check_scalar_output(call, out)
         out = out.reshape(())
-        df_dz = None
+        df_dz = [None] * len(z_work)
         if out.requires_grad:
-            (df_dz,) = torch.autograd.grad(out, z_work, create_graph=True, allow_unused=True)
-        if df_dz is not None and df_dz.requires_grad:
+            df_dz = torch.autograd.grad(out, z_work, create_graph=True, allow_unused=True)
+        pairs = [(d, vi) for d, vi in zip(df_dz, vs) if d is not None and d.requires_grad]
+        if pairs:
             grads = torch.autograd.grad(
-                df_dz, y_work, grad_outputs=v, create_graph=create_graph, allow_unused=True
+                [d for d, _ in pairs], y_work, grad_outputs=[vi for _, vi in pairs],
+                create_graph=create_graph, allow_unused=True,
             )
         else:
             grads = [None] * len(y_work)
@@ -71,16 +73,17 @@ def double_backward_input_grad(f, G, z, y, *, chunk_size=None):
     differentiated in z (pass a z that requires grad) and any number of times.
     """
     call = "double_backward_input_grad(f, G, z, y)"
-    y_leaves, y_spec, _ = _checks.mixed_args(call, f, G, z, y, None)
+    zs, y_leaves, y_spec, _ = _checks.mixed_args(call, f, G, z, y, None)
     pieces = []
-    with torch.enable_grad():
-        for c in _checks.chunk_slices(call, z, chunk_size):
-            z_c = z[c] if z.requires_grad else z[c].detach().requires_grad_()
-            out = f(tree_unflatten(list(y_leaves), y_spec), frozen(G)(z_c))
+    with torch.enable_grad(), differentiable_attention():
+        for c in _checks.chunk_slices(call, zs, chunk_size):
+            z_c = [zi[c] if zi.requires_grad else zi[c].detach().requires_grad_() for zi in zs]
+            out = f(tree_unflatten(list(y_leaves), y_spec), frozen(G)(*z_c))
             _checks.check_scalar_output(call, out)
-            (d,) = torch.autograd.grad(out.reshape(()), z_c, create_graph=True, allow_unused=True)
-            pieces.append(torch.zeros_like(z_c) if d is None else d)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            d = torch.autograd.grad(out.reshape(()), z_c, create_graph=True, allow_unused=True)
+            pieces.append([torch.zeros_like(zc) if di is None else di for di, zc in zip(d, z_c)])
+    result = [torch.cat(column) for column in zip(*pieces)]
+    return tuple(result) if isinstance(z, (tuple, list)) else result[0]
 
 
 def double_backward_mixed_jacobian(f, G, z, y):
@@ -94,9 +97,10 @@ def double_backward_mixed_jacobian(f, G, z, y):
     ∂f/∂z separately, so use it on small cases.
     """
     call = "double_backward_mixed_jacobian(f, G, z, y)"
+    _checks.check_float_tensor(call, "z", z)
     _checks.mixed_args(call, f, G, z, y, None)
     _checks.check_float_tensor(call, "y", y)
-    with torch.enable_grad():
+    with torch.enable_grad(), differentiable_attention():
         z_work = z.detach().requires_grad_()
         y_work = y if y.requires_grad else y.detach().requires_grad_()
         out = f(y_work, G(z_work))
@@ -125,8 +129,9 @@ def _second_difference(call, f, y_spec, g_plus, g_minus, eps):
     return difference
 
 
-def _shifted_outputs(G, z, v, eps):
-    return G(z + eps * v), G(z - eps * v)
+def _shifted_outputs(G, zs, vs, eps):
+    return (G(*(zi + eps * vi for zi, vi in zip(zs, vs))),
+            G(*(zi - eps * vi for zi, vi in zip(zs, vs))))
 
 
 def finite_difference_mixed_directional(f, G, z, y, v=None, *, w, eps=1e-4):
@@ -149,14 +154,14 @@ def finite_difference_mixed_directional(f, G, z, y, v=None, *, w, eps=1e-4):
         A Python float.
     """
     call = "finite_difference_mixed_directional(f, G, z, y)"
-    y_leaves, y_spec, v = _checks.mixed_args(call, f, G, z, y, v)
+    zs, y_leaves, y_spec, vs = _checks.mixed_args(call, f, G, z, y, v)
     w_leaves, w_spec = _checks.flatten_y(call, w)
     if w_spec != y_spec:
         raise ValueError(f"{call}: expected w to have y's structure {y_spec}, got {w_spec}.")
     for i, (wl, yl) in enumerate(zip(w_leaves, y_leaves)):
         _checks.check_like(call, f"w's leaf {i}", wl, yl, f"y's leaf {i}")
     with torch.no_grad():
-        difference = _second_difference(call, f, y_spec, *_shifted_outputs(G, z, v, eps), eps)
+        difference = _second_difference(call, f, y_spec, *_shifted_outputs(G, zs, vs, eps), eps)
         return difference(y_leaves, w_leaves)
 
 
@@ -176,9 +181,9 @@ def finite_difference_mixed_grad(f, G, z, y, v=None, *, eps=1e-4):
         Tensors with the structure of y.
     """
     call = "finite_difference_mixed_grad(f, G, z, y)"
-    y_leaves, y_spec, v = _checks.mixed_args(call, f, G, z, y, v)
+    zs, y_leaves, y_spec, vs = _checks.mixed_args(call, f, G, z, y, v)
     with torch.no_grad():
-        difference = _second_difference(call, f, y_spec, *_shifted_outputs(G, z, v, eps), eps)
+        difference = _second_difference(call, f, y_spec, *_shifted_outputs(G, zs, vs, eps), eps)
         result = []
         for i, leaf in enumerate(y_leaves):
             out = torch.empty_like(leaf)
