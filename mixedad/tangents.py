@@ -5,7 +5,9 @@ ops take which path:
 
 - **forward** (the default): forward-mode AD under ``torch.no_grad()``. Outside torch.func
   transforms it uses ``torch.autograd.forward_ad`` (dual tensors), which also runs BatchNorm in
-  train mode (its running statistics are updated once and never become dual). Inside
+  train mode (its running statistics are updated once and never become dual); frozen linear,
+  convolution and eval-mode batch-norm layers take the fast rules of
+  :mod:`mixedad._frozen_layers` (two plain calls each). Inside
   ``torch.func.vmap`` and the other transforms it uses ``torch.func.jvp``, which vmap can batch.
   Memory: one forward pass holding primal and tangent, flat in G's depth. Attention runs through
   the math SDPA backend and the nn.MultiheadAttention / TransformerEncoderLayer fast path is
@@ -30,6 +32,7 @@ from torch import nn
 from torch.autograd import forward_ad
 from torch.func import functional_call, jvp, vjp
 
+from mixedad._frozen_layers import FrozenLayerRules
 from mixedad._trees import describe, tree_flatten, tree_unflatten
 from mixedad.state import Snapshot
 
@@ -124,8 +127,12 @@ def _check_outputs(call, g_leaves):
             raise TypeError(f"{call}: expected {where} to be a floating-point tensor, got {describe(leaf)}.")
 
 
-def _forward(call, G, zs, vs):
-    """Forward-mode pass. Returns (primal leaves, tangent leaves or None where lost, spec)."""
+def _forward(call, G, zs, vs, fast_rules=True):
+    """Forward-mode pass. Returns (primal leaves, tangent leaves or None where lost, spec).
+
+    ``fast_rules`` turns on :mod:`mixedad._frozen_layers` (two plain calls per frozen linear,
+    convolution or eval-mode batch-norm layer instead of PyTorch's general forward-AD formula).
+    """
     if in_functorch_transform():
         try:
             with torch.no_grad(), differentiable_attention():
@@ -141,9 +148,12 @@ def _forward(call, G, zs, vs):
         g_leaves, spec = tree_flatten(g)
         _check_outputs(call, g_leaves)
         return g_leaves, tree_flatten(g_dot)[0], spec
+    rules = FrozenLayerRules() if fast_rules else contextlib.nullcontext()
     with torch.no_grad(), differentiable_attention(), forward_ad.dual_level():
         duals = [forward_ad.make_dual(z.detach(), v.detach()) for z, v in zip(zs, vs)]
-        out_leaves, spec = tree_flatten(G(*duals))
+        with rules:
+            out = G(*duals)
+        out_leaves, spec = tree_flatten(out)
         _check_outputs(call, out_leaves)
         unpacked = [forward_ad.unpack_dual(leaf) for leaf in out_leaves]
     return [u.primal for u in unpacked], [u.tangent for u in unpacked], spec
