@@ -17,6 +17,7 @@ carry tangents such as modulated convolutions) takes ordinary forward AD.
 """
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.autograd import forward_ad
 from torch.overrides import TorchFunctionMode
 
@@ -25,7 +26,11 @@ _BATCH_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "t
 
 
 def _tangent(x):
-    return forward_ad.unpack_dual(x).tangent if isinstance(x, torch.Tensor) else None
+    # A Parameter never carries a tangent at mixedad's own dual level (only tensors computed
+    # from z do), so it is answered without the unpacking call.
+    if not isinstance(x, torch.Tensor) or isinstance(x, nn.Parameter):
+        return None
+    return forward_ad.unpack_dual(x).tangent
 
 
 def _weighted(func, args, kwargs):
@@ -46,13 +51,15 @@ def _weighted(func, args, kwargs):
 
 def _batch_norm_eval(args, kwargs):
     bound = dict(zip(_BATCH_NORM_ARGS, args), **kwargs)
-    x = bound["input"]
+    if bound.get("training", False):
+        return NotImplemented
+    x = bound.pop("input")
     x_tangent = _tangent(x)
     mean, var, weight = bound["running_mean"], bound["running_var"], bound.get("weight")
-    if (x_tangent is None or bound.get("training", False) or mean is None or var is None
+    if (x_tangent is None or mean is None or var is None
             or any(_tangent(t) is not None for t in (mean, var, weight, bound.get("bias")))):
         return NotImplemented
-    primal = F.batch_norm(forward_ad.unpack_dual(x).primal, **{k: v for k, v in bound.items() if k != "input"})
+    primal = F.batch_norm(forward_ad.unpack_dual(x).primal, **bound)
     scale = torch.rsqrt(var + bound.get("eps", 1e-5))
     if weight is not None:
         scale = scale * weight

@@ -1,4 +1,4 @@
-"""Command line: ``python -m mixedad demo``."""
+"""Command line: ``python -m mixedad demo`` and ``python -m mixedad profile``."""
 import argparse
 
 import torch
@@ -18,7 +18,50 @@ def build_parser():
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")
+
+    from mixedad.benchmark import MODELS, STRATEGIES
+
+    prof = sub.add_parser("profile", help="time and peak memory of mixed_grad and alternatives against depth")
+    prof.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    prof.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    prof.add_argument("--width", type=int, default=None,
+                      help=f"hidden width or channels (default per model: {PROFILE_DEFAULTS})")
+    prof.add_argument("--batch", type=int, default=None, help="batch size (default per model, as above)")
+    prof.add_argument("--device", default="cpu")
+    prof.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    prof.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES))
+    prof.add_argument("--repeats", type=int, default=5, help="timing repeats (median)")
+    prof.add_argument("--out", default="profile-results", help="folder for the JSON, markdown and PNG")
+    prof.add_argument("--trace", action="store_true",
+                      help="also export a torch.profiler trace of each strategy at the largest depth")
     return parser
+
+
+#: model -> (width, batch) used when --width / --batch are not given
+PROFILE_DEFAULTS = {"mlp": (512, 256), "dcgan": (32, 32), "resnet": (32, 32), "transformer": (64, 32)}
+
+
+def run_profile(args):
+    from mixedad import benchmark
+
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("python -m mixedad profile: --device cuda, but no CUDA device is available.")
+    width = args.width or PROFILE_DEFAULTS[args.model][0]
+    batch = args.batch or PROFILE_DEFAULTS[args.model][1]
+    for name, value in (("width", width), ("batch", batch), ("repeats", args.repeats), *(("depths", d) for d in args.depths)):
+        if value < (0 if name == "depths" and args.model != "mlp" else 1):
+            raise SystemExit(f"python -m mixedad profile: --{name} must be positive, got {value}.")
+    rows = benchmark.profile(args.model, args.depths, width=width, batch=batch, dtype=DTYPES[args.dtype],
+                             device=args.device, strategies=args.strategies, repeats=args.repeats,
+                             trace_dir=args.out if args.trace else None)
+    device_name = torch.cuda.get_device_name(args.device) if torch.device(args.device).type == "cuda" else "CPU"
+    title = (f"{args.model}, width {width}, batch {batch}, {args.dtype}, {device_name}, "
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    stem = f"{args.model}_{torch.device(args.device).type}"
+    for path in benchmark.write(rows, args.out, stem, title):
+        print(f"wrote {path}")
+    print(benchmark.markdown(rows))
+    return rows
 
 
 def main(argv=None):
@@ -31,4 +74,6 @@ def main(argv=None):
                 raise SystemExit(f"python -m mixedad demo: --{name} must be >= 1, got {getattr(args, name)}.")
         run_demo(model=args.model, depth=args.depth, width=args.width, batch=args.batch,
                  dtype=DTYPES[args.dtype], device=args.device, repeats=args.repeats)
+    elif args.command == "profile":
+        run_profile(args)
     return 0

@@ -5,7 +5,7 @@ from torch.func import grad, jvp, vmap
 from mixedad import _checks
 from mixedad._trees import tree_unflatten
 from mixedad.state import RngState
-from mixedad.tangents import eager, push_tangent
+from mixedad.tangents import eager, in_functorch_transform, push_tangent
 
 
 def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
@@ -144,12 +144,35 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
 def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, *, create_graph):
     r"""Reverse-mode back end: :math:`\partial_y \langle \nabla_g f(y, g), \dot g\rangle`.
 
-    The directional derivative of f in g along :math:`\dot g` is a forward-mode product through
-    f alone; its gradient in y is one reverse pass through f alone. Both are torch.func
-    transforms, so the whole of mixed_grad composes with ``torch.func.vmap``; neither touches
-    the requires_grad flags of y, and both work under an outer ``torch.no_grad()``. Returns a
-    list of tensors, one per leaf of y: zeros for leaves the result does not depend on.
+    Only f's (cheap) graph is ever built. Neither path touches the requires_grad flags of y, and
+    both work under an outer ``torch.no_grad()``. Returns a list of tensors, one per leaf of y:
+    zeros for leaves the result does not depend on.
+
+    Outside torch.func transforms: ``torch.autograd.grad`` of f once with create_graph, then
+    once more along :math:`\dot g`. Inside them (``torch.func.vmap`` over mixed_grad, say), where
+    ``torch.autograd.grad`` cannot be batched: the directional derivative of f along
+    :math:`\dot g` by ``torch.func.jvp`` and its gradient in y by ``torch.func.grad``.
     """
+    if in_functorch_transform():
+        return _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph)
+    with torch.enable_grad():
+        # Aliases of y that require grad; a leaf that already does is used as is, so that
+        # create_graph=True connects the result to its history.
+        y_work = [leaf if leaf.requires_grad else leaf.detach().requires_grad_() for leaf in y_leaves]
+        g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]
+        out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_work, g_spec))
+        _checks.check_scalar_output(call, out)
+        out = out.reshape(())
+        df_dg = torch.autograd.grad(out, g_work, create_graph=True, allow_unused=True) if out.requires_grad else []
+        pairs = [(d, t) for d, t in zip(df_dg, tangent_leaves) if d is not None and d.requires_grad]
+        grads = [None] * len(y_work)
+        if pairs:
+            grads = torch.autograd.grad([d for d, _ in pairs], y_work, grad_outputs=[t for _, t in pairs],
+                                        create_graph=create_graph, allow_unused=True)
+    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, y_leaves)]
+
+
+def _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph):
     g_primals, g_tangents = tuple(g_leaves), tuple(tangent_leaves)
 
     def directional(y_work):

@@ -22,3 +22,62 @@ def test_many_codes_runs_and_writes_results(tmp_path, monkeypatch, capsys):
     assert naive[-1]["within_budget"] is False  # the budget stops the naive code
     assert all(r["y_grad_rel_err"] is None or r["y_grad_rel_err"] < 1e-4 for r in rows)
     assert "| mixedad.input_grad | 128 | 16 |" in (tmp_path / "many_codes_cpu.md").read_text()
+
+
+def test_profile_cli_writes_json_markdown_png_and_trace(tmp_path, capsys):
+    from mixedad.cli import main
+
+    main(["profile", "--model", "mlp", "--depths", "2", "4", "--width", "8", "--batch", "4",
+          "--repeats", "1", "--out", str(tmp_path), "--trace", "--dtype", "float64"])
+    rows = json.loads((tmp_path / "mlp_cpu.json").read_text())["rows"]
+    assert {r["strategy"] for r in rows} == {"mixed_grad", "double_backward", "func_grad_of_grad",
+                                             "forward_ad_recipe", "plain_forward"}
+    assert all(r["max_rel_error"] < 1e-9 for r in rows if "max_rel_error" in r)
+    deep = {r["strategy"]: r for r in rows if r["depth"] == 4}
+    assert deep["mixed_grad"]["peak_bytes"] < deep["double_backward"]["peak_bytes"]
+    assert (tmp_path / "mlp_cpu.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "trace_mlp_mixed_grad_cpu.json").exists()
+    assert "| mlp | 4 | mixed_grad |" in (tmp_path / "mlp_cpu.md").read_text()
+    assert "[########################]  10/10" in capsys.readouterr().err
+
+
+def test_profile_cli_bad_arguments(tmp_path):
+    import pytest
+
+    from mixedad import benchmark
+    from mixedad.cli import main
+
+    with pytest.raises(SystemExit, match="--width must be positive, got -1"):
+        main(["profile", "--width", "-1", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"profile: expected strategies from .* got \['magic'\]"):
+        benchmark.profile("mlp", [2], width=4, batch=2, strategies=["magic"])
+    with pytest.raises(ValueError, match=r"profile: expected model in .* got 'vae'"):
+        benchmark.profile("vae", [2], width=4, batch=2)
+
+
+def test_depth_benchmark_checks_targets(tmp_path, monkeypatch, capsys):
+    """The CPU benchmark script in --quick mode: both models, then its table of targets."""
+    monkeypatch.setattr(sys, "argv", ["mixed_grad_vs_depth.py", "--out", str(tmp_path), "--repeats", "1", "--quick"])
+    try:
+        runpy.run_path(str(BENCH / "mixed_grad_vs_depth.py"), run_name="__main__")
+    except SystemExit as exit:
+        assert exit.code == 0
+    assert (tmp_path / "mlp_cpu.json").exists() and (tmp_path / "dcgan_cpu.png").exists()
+    table = (tmp_path / "targets_cpu.md").read_text()
+    assert "| MLP: time / double backward |" in table and "| DCGAN: peak / plain forward |" in table
+
+
+def test_cuda_script_exits_cleanly_without_cuda():
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("a CUDA device is present; the script would profile")
+    script = BENCH.parent / "scripts" / "profile_cuda.py"
+    env = {**__import__("os").environ, "PYTHONPATH": str(BENCH.parent)}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0
+    assert "no CUDA device is available here" in proc.stdout

@@ -1,0 +1,245 @@
+"""Side-by-side profiling of mixed_grad and its alternatives: what ``python -m mixedad profile`` runs.
+
+For each model and depth, every strategy runs on the same inputs in the same process:
+
+- ``mixed_grad``: :func:`mixedad.mixed_grad`;
+- ``double_backward``: :func:`mixedad.reference.double_backward_mixed_grad` (create_graph through G);
+- ``func_grad_of_grad``: ``torch.func.grad`` of ``torch.func.grad`` (reverse over reverse);
+- ``forward_ad_recipe``: the forum thread's recipe (``torch.autograd.forward_ad`` through a frozen G,
+  then ``autograd.grad`` twice through f), without mixedad's fast layer rules;
+- ``plain_forward``: ``G(z)`` under ``torch.no_grad()``, the yardstick.
+
+Time is the median over repeats (CUDA events on a GPU), with the strategies timed round-robin
+so that each median sees the same machine; peak memory is the CUDA allocator's peak or, on CPU,
+the exact storage byte count of :mod:`mixedad.profiling`. Ratios are taken within one run,
+because absolute times on a shared machine are noise.
+"""
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+from torch.autograd import forward_ad
+
+import mixedad
+from mixedad import zoo
+from mixedad.profiling import cpu_peak_memory, cuda_peak_memory, median_time
+from mixedad.reference import double_backward_mixed_grad
+from mixedad.testing import max_relative_error
+
+
+def objective(y, g):
+    """The benchmark's cheap f(y, g) = sum((y + g)^3), as in the design notes."""
+    return ((y + g) ** 3).sum()
+
+
+def _func_grad_of_grad(f, G, z, y, v):
+    def contracted(y_):
+        return (torch.func.grad(lambda z_: f(y_, G(z_)))(z) * v).sum()
+
+    return torch.func.grad(contracted)(y)
+
+
+def _forward_ad_recipe(f, G, z, y, v):
+    with torch.no_grad(), forward_ad.dual_level():  # the thread's advice: a frozen G
+        g, g_tangent = forward_ad.unpack_dual(G(forward_ad.make_dual(z, v)))
+    g = g.detach().requires_grad_()
+    y = y.detach().requires_grad_()
+    df_dg, _ = torch.autograd.grad(f(y, g), (g, y), create_graph=True)
+    (result,) = torch.autograd.grad(df_dg, y, grad_outputs=g_tangent)
+    return result
+
+
+def _plain_forward(f, G, z, y, v):
+    with torch.no_grad():
+        return G(z)
+
+
+STRATEGIES = {
+    "mixed_grad": mixedad.mixed_grad,
+    "double_backward": double_backward_mixed_grad,
+    "func_grad_of_grad": _func_grad_of_grad,
+    "forward_ad_recipe": _forward_ad_recipe,
+    "plain_forward": _plain_forward,
+}
+
+#: model name -> (builder(depth, width, dtype, device), what depth means, batch shape of z)
+MODELS = {
+    "mlp": (lambda d, w, **kw: zoo.mlp(d, w, **kw), "Linear layers"),
+    "dcgan": (lambda d, w, **kw: zoo.dcgan(latent_dim=100, channels=w, image_size=32, extra_blocks=d, **kw),
+              "extra 3x3 conv blocks per scale"),
+    "resnet": (lambda d, w, **kw: zoo.resnet(latent_dim=100, channels=w, image_size=32, blocks_per_stage=d, **kw),
+               "residual blocks per scale"),
+    "transformer": (lambda d, w, **kw: zoo.transformer(latent_dim=64, d_model=w, layers=d, tokens=16, **kw),
+                    "transformer layers"),
+}
+
+
+def build(model, depth, width, batch, dtype, device, seed=0):
+    """(G, z, y, v) for one benchmark point."""
+    G = MODELS[model][0](depth, width, seed=seed, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(zoo.latent_shape(G, batch), generator=gen, dtype=dtype).to(device)
+    with torch.no_grad():
+        y = torch.randn(G(z).shape, generator=gen, dtype=dtype).to(device)
+    v = torch.randn(z.shape, generator=gen, dtype=dtype).to(device)
+    return G, z, y, v
+
+
+def _cuda_median_time(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def peak(fn, device):
+    """(result, peak bytes) of ``fn()``: the CUDA allocator's peak, or the exact CPU count."""
+    if torch.device(device).type == "cuda":
+        return cuda_peak_memory(fn, device=device)
+    return cpu_peak_memory(fn)
+
+
+def interleaved_times(fns, device, repeats):
+    """Median seconds of each of ``fns`` (a dict), timed round-robin so all see the same machine."""
+    timer = (lambda fn: _cuda_median_time(fn, 1)) if torch.device(device).type == "cuda" else \
+        (lambda fn: median_time(fn, repeats=1, warmup=0))
+    for fn in fns.values():
+        fn()  # warm-up
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(timer(fn))
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+class Progress:
+    """A one-line-per-step progress bar on a stream (stderr by default)."""
+
+    def __init__(self, total, stream=None, width=24):
+        self.total, self.done, self.width = total, 0, width
+        self.stream = sys.stderr if stream is None else stream
+        self.started = time.perf_counter()
+
+    def step(self, message):
+        self.done += 1
+        filled = round(self.width * self.done / self.total)
+        bar = "#" * filled + "-" * (self.width - filled)
+        elapsed = time.perf_counter() - self.started
+        print(f"[{bar}] {self.done:>3}/{self.total} {elapsed:6.1f}s  {message}", file=self.stream, flush=True)
+
+
+def profile(model, depths, *, width, batch, dtype=torch.float32, device="cpu", strategies=None,
+            repeats=5, trace_dir=None, stream=None):
+    """Run every strategy at every depth; returns a list of row dicts (see module docstring)."""
+    if model not in MODELS:
+        raise ValueError(f"profile: expected model in {sorted(MODELS)}, got {model!r}.")
+    strategies = list(STRATEGIES) if strategies is None else list(strategies)
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"profile: expected strategies from {sorted(STRATEGIES)}, got {unknown}.")
+    progress = Progress(len(depths) * len(strategies), stream)
+    rows = []
+    for depth in depths:
+        G, z, y, v = build(model, depth, width, batch, dtype, device)
+        fns = {name: (lambda name=name: STRATEGIES[name](objective, G, z, y, v)) for name in strategies}
+        results, peaks = {}, {}
+        for name, fn in fns.items():
+            results[name], peaks[name] = peak(fn, device)
+            if trace_dir is not None and depth == max(depths):
+                _trace(fn, device, pathlib.Path(trace_dir) / f"trace_{model}_{name}_{torch.device(device).type}.json")
+        seconds = interleaved_times(fns, device, repeats)
+        point = []
+        for name in strategies:
+            point.append({"model": model, "depth": depth, "strategy": name, "seconds": seconds[name],
+                          "peak_bytes": peaks[name], "width": width, "batch": batch, "dtype": str(dtype),
+                          "device": str(device)})
+            progress.step(f"{model} depth {depth:<3} {name:<18} {seconds[name] * 1e3:9.2f} ms  "
+                          f"{peaks[name] / 2**20:9.2f} MiB")
+        _ratios(point, results)
+        rows += point
+    return rows
+
+
+def _ratios(point, results):
+    by = {r["strategy"]: r for r in point}
+    for r in point:
+        for base in ("plain_forward", "double_backward"):
+            if base in by:
+                r[f"time_vs_{base}"] = r["seconds"] / by[base]["seconds"]
+                r[f"peak_vs_{base}"] = r["peak_bytes"] / max(by[base]["peak_bytes"], 1)
+        if "double_backward" in results and r["strategy"] != "plain_forward":
+            r["max_rel_error"] = max_relative_error(results[r["strategy"]], results["double_backward"])
+
+
+def _trace(fn, device, path):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.device(device).type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+
+
+def markdown(rows):
+    """A markdown table of the rows."""
+    lines = ["| model | depth | strategy | time | peak memory | time / plain forward | peak / plain forward "
+             "| time / double backward | peak / double backward | max rel error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def ratio(key):
+            return f"{r[key]:.2f}" if key in r else ""
+        err = f"{r['max_rel_error']:.1e}" if "max_rel_error" in r else ""
+        lines.append(f"| {r['model']} | {r['depth']} | {r['strategy']} | {r['seconds'] * 1e3:.1f} ms | "
+                     f"{r['peak_bytes'] / 2**20:.2f} MiB | {ratio('time_vs_plain_forward')} | "
+                     f"{ratio('peak_vs_plain_forward')} | {ratio('time_vs_double_backward')} | "
+                     f"{ratio('peak_vs_double_backward')} | {err} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path, title):
+    """Peak memory and time against depth, one line per strategy, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in dict.fromkeys(r["strategy"] for r in rows):
+        mine = sorted((r for r in rows if r["strategy"] == name), key=lambda r: r["depth"])
+        depths = [r["depth"] for r in mine]
+        style = dict(marker="o", linewidth=2.5 if name == "mixed_grad" else 1.2, label=name)
+        axes[0].plot(depths, [r["peak_bytes"] / 2**20 for r in mine], **style)
+        axes[1].plot(depths, [r["seconds"] * 1e3 for r in mine], **style)
+    for ax, label in zip(axes, ["peak memory (MiB)", "median time (ms)"]):
+        ax.set_xlabel(f"depth ({MODELS[rows[0]['model']][1]})")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(rows, out_dir, stem, title):
+    """Write ``stem``.json, .md and .png into out_dir; returns the three paths."""
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "mixedad": mixedad.__version__, "threads": torch.get_num_threads()}
+    paths = [out_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")]
+    paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    paths[1].write_text(f"{title}\n\n{markdown(rows)}\n")
+    plot(rows, paths[2], title)
+    return paths
