@@ -1,12 +1,12 @@
 # Two commands do all the set-up on a fresh machine with python3 and make:
 #   make demo   create .venv if missing, install mixedad, run the demo
-#   make test   the same with the test extras, then run the whole suite
+#   make test   the same with the test extras, then run the whole suite, notebooks included
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --constraint constraints.txt
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test notebooks install install-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,10 @@ demo: install
 	$(PY) -m mixedad demo
 
 test: install-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --nbmake tests mixedad notebooks
+
+notebooks: install-test
+	$(PY) scripts/build_notebooks.py --execute
 
 clean:
 	rm -rf $(VENV) *.egg-info build dist

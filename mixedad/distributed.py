@@ -39,9 +39,18 @@ def _world(group):
 
 
 def shard(z, *, group=None):
-    """This rank's slice of z's leading dimension (contiguous, sizes differ by at most one).
+    r"""This rank's slice of z's leading dimension (contiguous, sizes differ by at most one).
+
+    .. math::
+
+        \mathrm{shard}(z)_r = z[\,o_r : o_{r+1}\,], \qquad o_r = r \lfloor N / W \rfloor + \min(r, N \bmod W)
 
     Returns a view of z: rank r of W gets ``torch.tensor_split(z, W)[r]``.
+
+    Example:
+        >>> from mixedad import distributed
+        >>> # inside an initialised process group:
+        >>> z_local = distributed.shard(z)  # doctest: +SKIP
     """
     world, rank = _world(group)
     return torch.tensor_split(z, world, dim=0)[rank]
@@ -79,15 +88,25 @@ def all_gather_codes(local, *, group=None):
 
     where :math:`L_s` is the loss rank s backpropagates. Shards may differ in length. Backward
     is an all-reduce (supported by gloo and NCCL), so every rank must call backward.
+
+    Example:
+        >>> dfdz = distributed.all_gather_codes(input_grad(f, G, z_local, y))  # doctest: +SKIP
     """
     return _AllGatherCodes.apply(group, local)
 
 
 def all_reduce_grads(tensors, *, group=None):
-    """Sum ``.grad`` of every tensor (a tensor or pytree of tensors) over ranks, in place.
+    r"""Sum ``.grad`` of every tensor (a tensor or pytree of tensors) over ranks, in place.
+
+    .. math::
+
+        \mathrm{grad}(t) \leftarrow \sum_{r=0}^{W-1} \mathrm{grad}_r(t)
 
     Tensors whose ``.grad`` is None on this rank get a zero gradient first, so every rank joins
     every collective in the same order.
+
+    Example:
+        >>> distributed.all_reduce_grads([y, x])  # doctest: +SKIP
     """
     _world(group)
     for t in tree_leaves(tensors):

@@ -95,7 +95,18 @@ class StorageCounter(TorchDispatchMode):
 
 
 def cpu_peak_memory(fn, *args, **kwargs):
-    """Run ``fn(*args, **kwargs)`` under a :class:`StorageCounter`.
+    r"""Run ``fn(*args, **kwargs)`` under a :class:`StorageCounter`.
+
+    .. math::
+
+        \mathrm{peak} = \max_{t \in \mathrm{call}}\ \sum_{s\ \text{allocated since the call, alive at}\ t} \mathrm{nbytes}(s)
+
+    Example:
+        >>> import torch
+        >>> from mixedad.profiling import cpu_peak_memory
+        >>> result, peak = cpu_peak_memory(lambda: torch.ones(10, dtype=torch.float64).cumsum(0))
+        >>> peak, result[-1].item()
+        (160, 10.0)
 
     Returns:
         ``(result, peak_bytes)``: fn's result and the exact peak of live storage bytes that fn
@@ -107,7 +118,18 @@ def cpu_peak_memory(fn, *args, **kwargs):
 
 
 def cuda_peak_memory(fn, *args, device=None, **kwargs):
-    """Run ``fn(*args, **kwargs)`` and read the CUDA caching allocator's peak.
+    r"""Run ``fn(*args, **kwargs)`` and read the CUDA caching allocator's peak.
+
+    .. math::
+
+        \mathrm{peak} = \max_{t \in \mathrm{call}} \mathrm{allocated}(t) - \mathrm{allocated}(\mathrm{start})
+
+    Example:
+        >>> import torch
+        >>> from mixedad.profiling import cuda_peak_memory
+        >>> _, peak = cuda_peak_memory(torch.zeros, 256, device="cuda")  # doctest: +SKIP
+        >>> peak  # doctest: +SKIP
+        1024
 
     Args:
         device: the CUDA device to read (keyword-only; default: the current device).
@@ -139,7 +161,11 @@ def _cuda_device_of(objs):
 
 
 def peak_memory(fn, *args, **kwargs):
-    """Peak memory of ``fn(*args, **kwargs)``, in bytes above what was allocated before it.
+    r"""Peak memory of ``fn(*args, **kwargs)``, in bytes above what was allocated before it.
+
+    .. math::
+
+        \mathrm{peak} = \max_{t \in \mathrm{call}} \mathrm{allocated}(t) - \mathrm{allocated}(\mathrm{start})
 
     If any tensor (or nn.Module) among args and kwargs lives on a CUDA device, reads that
     device's caching-allocator peak (:func:`cuda_peak_memory`). Otherwise counts storage bytes
@@ -162,10 +188,19 @@ def peak_memory(fn, *args, **kwargs):
 
 
 def median_time(fn, *, repeats=5, warmup=1):
-    """Median wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
+    r"""Median wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
+
+    .. math::
+
+        \mathrm{median}_{r = 1..\mathrm{repeats}}\ t_r
 
     Synchronizes CUDA around each run when CUDA is initialised. For benchmarks and the demo
     only: wall-clock time on a shared machine is noisy, so compare ratios measured in one run.
+
+    Example:
+        >>> from mixedad.profiling import median_time
+        >>> median_time(lambda: sum(range(1000)), repeats=3) > 0
+        True
     """
     if repeats < 1:
         raise ValueError(f"median_time(fn): expected repeats >= 1, got {repeats}.")

@@ -10,6 +10,14 @@ from mixedad import _checks
 from mixedad._trees import tree_unflatten
 from mixedad.tangents import differentiable_attention, frozen
 
+__all__ = [
+    "double_backward_mixed_grad",
+    "double_backward_input_grad",
+    "double_backward_mixed_jacobian",
+    "finite_difference_mixed_grad",
+    "finite_difference_mixed_directional",
+]
+
 
 def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
     r"""Reference for :func:`mixedad.mixed_grad` by double backward through G.
@@ -71,6 +79,13 @@ def double_backward_input_grad(f, G, z, y, *, chunk_size=None):
     depth times the number of codes: this is the code that runs out of memory. G's parameters
     are treated as constants, as in :func:`mixedad.input_grad`. Unlike it, the result may be
     differentiated in z (pass a z that requires grad) and any number of times.
+
+    Example:
+        >>> import torch, mixedad
+        >>> from mixedad.reference import double_backward_input_grad
+        >>> G, f = mixedad.zoo.mlp(2, 4), lambda y, g: ((y + g) ** 2).sum()
+        >>> double_backward_input_grad(f, G, torch.randn(6, 4), torch.randn(4), chunk_size=2).shape
+        torch.Size([6, 4])
     """
     call = "double_backward_input_grad(f, G, z, y)"
     zs, y_leaves, y_spec, _ = _checks.mixed_args(call, f, G, z, y, None)
@@ -95,6 +110,14 @@ def double_backward_mixed_jacobian(f, G, z, y):
 
     Returns a tensor of shape ``z.shape + y.shape``. It differentiates every entry of
     ∂f/∂z separately, so use it on small cases.
+
+    Example:
+        >>> import torch
+        >>> from mixedad.reference import double_backward_mixed_jacobian
+        >>> G = lambda x: x.sum(dim=1).exp()
+        >>> f = lambda y, g: ((y.sum(dim=1) + g) ** 3).sum()
+        >>> double_backward_mixed_jacobian(f, G, torch.rand(3, 4), torch.rand(3, 4)).shape
+        torch.Size([3, 4, 3, 4])
     """
     call = "double_backward_mixed_jacobian(f, G, z, y)"
     _checks.check_float_tensor(call, "z", z)
@@ -152,6 +175,16 @@ def finite_difference_mixed_directional(f, G, z, y, v=None, *, w, eps=1e-4):
 
     Returns:
         A Python float.
+
+    Example:
+        >>> import torch, mixedad
+        >>> from mixedad.reference import finite_difference_mixed_directional
+        >>> G = mixedad.zoo.mlp(8, 16, dtype=torch.float64)
+        >>> f = lambda y, g: ((y + g) ** 3).sum()
+        >>> z, y, w = (torch.randn(4, 16, dtype=torch.float64) for _ in range(3))
+        >>> fd = finite_difference_mixed_directional(f, G, z, y, w=w)
+        >>> abs(fd - (w * mixedad.mixed_grad(f, G, z, y)).sum().item()) < 1e-5 * abs(fd)
+        True
     """
     call = "finite_difference_mixed_directional(f, G, z, y)"
     zs, y_leaves, y_spec, vs = _checks.mixed_args(call, f, G, z, y, v)
@@ -179,6 +212,15 @@ def finite_difference_mixed_grad(f, G, z, y, v=None, *, eps=1e-4):
 
     Returns:
         Tensors with the structure of y.
+
+    Example:
+        >>> import torch, mixedad
+        >>> from mixedad.reference import finite_difference_mixed_grad
+        >>> G = lambda x: x.sum(dim=1).exp()
+        >>> f = lambda y, g: ((y.sum(dim=1) + g) ** 3).sum()
+        >>> z, y = torch.rand(3, 4, dtype=torch.float64), torch.rand(3, 4, dtype=torch.float64)
+        >>> bool(torch.allclose(finite_difference_mixed_grad(f, G, z, y), mixedad.mixed_grad(f, G, z, y), rtol=1e-6))
+        True
     """
     call = "finite_difference_mixed_grad(f, G, z, y)"
     zs, y_leaves, y_spec, vs = _checks.mixed_args(call, f, G, z, y, v)

@@ -29,6 +29,12 @@ def max_relative_error(actual, expected):
 
     with tiny the smallest normal float64, so that an all-zero expected
     leaf compares absolutely.
+
+    Example:
+        >>> import torch
+        >>> from mixedad.testing import max_relative_error
+        >>> max_relative_error(torch.tensor([1.0, 2.1]), torch.tensor([1.0, 2.0]))  # doctest: +ELLIPSIS
+        0.0499...
     """
     worst = 0.0
     for a, e in _pairs(actual, expected):
@@ -52,9 +58,19 @@ def max_relative_error(actual, expected):
 
 
 def assert_close(actual, expected, *, rtol=None, what="result"):
-    """Assert ``max_relative_error(actual, expected) <= rtol`` with a readable report.
+    r"""Assert ``max_relative_error(actual, expected) <= rtol`` with a readable report.
 
-    ``rtol`` defaults to :data:`RTOL` for the expected dtype (1e-9 in float64).
+    .. math::
+
+        \mathrm{max\_relative\_error}(\mathrm{actual}, \mathrm{expected}) \le \mathrm{rtol}
+
+    ``rtol`` defaults to :data:`RTOL` for the expected dtype (1e-9 in float64). On failure the
+    message gives the error and, per leaf, its shape, dtype and largest differences.
+
+    Example:
+        >>> import torch
+        >>> from mixedad.testing import assert_close
+        >>> assert_close(torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
     """
     pairs = _pairs(actual, expected)
     if rtol is None:
@@ -89,6 +105,13 @@ def check_generator(G, z, *, strategy="forward", rtol=None, seed=0):
     Returns:
         The relative difference (a float). Raises AssertionError with a report if it exceeds
         ``rtol`` (default: :data:`RTOL` for z's dtype, times 10).
+
+    Example:
+        >>> import torch, mixedad
+        >>> from mixedad.testing import check_generator
+        >>> G = mixedad.zoo.dcgan(dtype=torch.float64)
+        >>> check_generator(G, torch.randn(2, 16, dtype=torch.float64)) < 1e-10
+        True
     """
     from mixedad._checks import flatten_z
     from mixedad.state import Snapshot

@@ -79,7 +79,17 @@ def _finish(module, dtype, device):
 
 def mlp(depth=8, width=64, *, in_features=None, out_features=None, activation="tanh",
         dropout=0.0, seed=0, dtype=torch.float32, device="cpu"):
-    """A frozen MLP: ``depth`` Linear layers, each but the last followed by the activation.
+    r"""A frozen MLP: ``depth`` Linear layers, each but the last followed by the activation.
+
+    .. math::
+
+        G(z) = W_D\, \sigma\big(\cdots \sigma(W_1 z + b_1) \cdots\big) + b_D
+
+    Example:
+        >>> import torch
+        >>> from mixedad import zoo
+        >>> zoo.mlp(3, 8, in_features=4, out_features=2)(torch.randn(5, 4)).shape
+        torch.Size([5, 2])
 
     Args:
         depth: number of Linear layers (>= 1).
@@ -123,7 +133,19 @@ class _Reshape(nn.Module):
 
 def dcgan(latent_dim=16, channels=8, *, image_size=32, extra_blocks=0, out_channels=3,
           seed=0, dtype=torch.float32, device="cpu"):
-    """A DCGAN-style generator: ConvTranspose2d, BatchNorm2d, ReLU, and tanh at the end.
+    r"""A DCGAN-style generator: ConvTranspose2d, BatchNorm2d, ReLU, and tanh at the end.
+
+    .. math::
+
+        G(z) = \tanh\big(T_K(\rho(\mathrm{BN}(T_{K-1}(\cdots \rho(\mathrm{BN}(T_1 z))\cdots))))\big)
+
+    with :math:`T_k` transposed convolutions (and extra 3x3 convolution blocks) and :math:`\rho` ReLU.
+
+    Example:
+        >>> import torch
+        >>> from mixedad import zoo
+        >>> zoo.dcgan(latent_dim=16, image_size=16)(torch.randn(2, 16)).shape
+        torch.Size([2, 3, 16, 16])
 
     z of shape (B, latent_dim) is mapped to images (B, out_channels, image_size, image_size).
     The first ConvTranspose2d makes a 4x4 map with ``channels * 2**k`` channels; each further
@@ -211,7 +233,20 @@ class _ResNetGenerator(nn.Module):
 
 def resnet(latent_dim=16, channels=16, *, image_size=16, blocks_per_stage=1, norm="batch",
            out_channels=3, seed=0, dtype=torch.float32, device="cpu"):
-    """A ResNet-style upsampling generator: Linear to 4x4, then residual upsampling blocks.
+    r"""A ResNet-style upsampling generator: Linear to 4x4, then residual upsampling blocks.
+
+    .. math::
+
+        h_{k+1} = \phi\big(N_2(C_2\, \phi(N_1(C_1 U h_k))) + S\, U h_k\big), \qquad
+        G(z) = \tanh(C_{\mathrm{out}}\, h_K), \quad h_0 = \mathrm{reshape}(W z + b)
+
+    with U nearest upsampling, C convolutions, N normalisations, S a 1x1 skip and φ LeakyReLU.
+
+    Example:
+        >>> import torch
+        >>> from mixedad import zoo
+        >>> zoo.resnet(latent_dim=8, norm="instance")(torch.randn(2, 8)).shape
+        torch.Size([2, 3, 16, 16])
 
     Each block is nearest Upsample, Conv2d-Norm-LeakyReLU twice and a 1x1 Conv2d skip
     connection; ``norm`` is "batch" (BatchNorm2d) or "instance" (InstanceNorm2d, affine).
@@ -273,7 +308,18 @@ class _StyleGenerator(nn.Module):
 
 def stylegan(latent_dim=16, w_dim=16, *, mapping_depth=4, channels=8, image_size=16,
              seed=0, dtype=torch.float32, device="cpu"):
-    """A StyleGAN2-like generator: a mapping MLP to w, then modulated convolutions.
+    r"""A StyleGAN2-like generator: a mapping MLP to w, then modulated convolutions.
+
+    .. math::
+
+        w = M(z / \lVert z \rVert_{\mathrm{rms}}), \qquad
+        W'_{oik} = \frac{W_{oik}\, s_i(w)}{\sqrt{\sum_{i,k} (W_{oik}\, s_i(w))^2 + \epsilon}}
+
+    Example:
+        >>> import torch
+        >>> from mixedad import zoo
+        >>> zoo.stylegan(latent_dim=8, w_dim=8, image_size=8)(torch.randn(2, 8)).shape
+        torch.Size([2, 3, 8, 8])
 
     z (B, latent_dim) is pixel-normalised and mapped through ``mapping_depth`` Linear-LeakyReLU
     layers to a style vector w. A learned 4x4 constant goes through a modulated, demodulated 3x3
@@ -332,7 +378,19 @@ class _TransformerDecoder(nn.Module):
 
 def transformer(latent_dim=16, d_model=16, *, nhead=2, layers=2, tokens=8, out_features=8,
                 dropout=0.0, attention="layer", seed=0, dtype=torch.float32, device="cpu"):
-    """A small causal transformer decoder: z is embedded as ``tokens`` tokens, then decoded.
+    r"""A small causal transformer decoder: z is embedded as ``tokens`` tokens, then decoded.
+
+    .. math::
+
+        h_0 = \mathrm{reshape}(W_e z) + P, \qquad h_{l+1} = \mathrm{Block}_l(h_l), \qquad G(z) = W_o h_L
+
+    with causal self-attention in every block.
+
+    Example:
+        >>> import torch
+        >>> from mixedad import zoo
+        >>> zoo.transformer(latent_dim=8, d_model=8, tokens=4)(torch.randn(2, 8)).shape
+        torch.Size([2, 4, 8])
 
     ``attention="layer"`` stacks nn.TransformerEncoderLayer (post-norm) with a causal mask;
     ``attention="sdpa"`` stacks pre-norm blocks calling F.scaled_dot_product_attention with
@@ -359,7 +417,17 @@ MEMBERS = {
 
 
 def latent_shape(G, batch):
-    """The shape of a batch of inputs for a zoo member: (batch, in_features or latent_dim)."""
+    r"""The shape of a batch of inputs for a zoo member: (batch, in_features or latent_dim).
+
+    .. math::
+
+        \mathrm{latent\_shape}(G, B) = (B, d_z)
+
+    Example:
+        >>> from mixedad import zoo
+        >>> zoo.latent_shape(zoo.dcgan(latent_dim=12), 5)
+        (5, 12)
+    """
     latent = getattr(G, "latent_dim", None)
     if latent is not None:
         return (batch, latent)
