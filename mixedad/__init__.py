@@ -2,10 +2,11 @@
 
 The public surface. Besides the functions below, the submodules ``mixedad.reference``
 (double-backward ground truth), ``mixedad.profiling`` (exact peak memory), ``mixedad.testing``
-(comparisons), ``mixedad.zoo`` (random-weight generators) and ``mixedad.distributed``
-(sharding latent codes across processes) are public.
+(comparisons), ``mixedad.zoo`` (random-weight generators), ``mixedad.distributed``
+(sharding latent codes across processes) and ``mixedad.benchmark`` (side-by-side profiling)
+are public.
 """
-from mixedad import distributed, profiling, reference, testing, zoo
+from mixedad import benchmark, distributed, profiling, reference, testing, zoo
 from mixedad.input_grad import input_grad
 from mixedad.mixed import mixed_grad, mixed_jacobian
 
@@ -15,6 +16,7 @@ __all__ = [
     "input_grad",
     "mixed_grad",
     "mixed_jacobian",
+    "benchmark",
     "distributed",
     "profiling",
     "reference",

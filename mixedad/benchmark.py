@@ -23,11 +23,13 @@ import time
 import torch
 from torch.autograd import forward_ad
 
-import mixedad
 from mixedad import zoo
+from mixedad.mixed import mixed_grad
 from mixedad.profiling import cpu_peak_memory, cuda_peak_memory, median_time
 from mixedad.reference import double_backward_mixed_grad
 from mixedad.testing import max_relative_error
+
+__all__ = ["profile", "markdown", "write", "STRATEGIES", "MODELS"]
 
 
 def objective(y, g):
@@ -58,7 +60,7 @@ def _plain_forward(f, G, z, y, v):
 
 
 STRATEGIES = {
-    "mixed_grad": mixedad.mixed_grad,
+    "mixed_grad": mixed_grad,
     "double_backward": double_backward_mixed_grad,
     "func_grad_of_grad": _func_grad_of_grad,
     "forward_ad_recipe": _forward_ad_recipe,
@@ -139,7 +141,25 @@ class Progress:
 
 def profile(model, depths, *, width, batch, dtype=torch.float32, device="cpu", strategies=None,
             repeats=5, trace_dir=None, stream=None):
-    """Run every strategy at every depth; returns a list of row dicts (see module docstring)."""
+    r"""Run every strategy at every depth, side by side; returns one row dict per (depth, strategy).
+
+    .. math::
+
+        \mathrm{time\_vs\_}b = \frac{\mathrm{median\ time}(s)}{\mathrm{median\ time}(b)}, \qquad
+        \mathrm{peak\_vs\_}b = \frac{\mathrm{peak}(s)}{\mathrm{peak}(b)}, \qquad
+        b \in \{\mathrm{plain\_forward}, \mathrm{double\_backward}\}
+
+    Each row also holds ``max_rel_error`` against double backward. Progress goes to ``stream``
+    (stderr by default), one line per measurement.
+
+    Example:
+        >>> import io
+        >>> from mixedad import benchmark
+        >>> rows = benchmark.profile("mlp", [2], width=4, batch=2, repeats=1, stream=io.StringIO(),
+        ...                          strategies=["mixed_grad", "double_backward"])
+        >>> [r["strategy"] for r in rows], rows[0]["max_rel_error"] < 1e-5
+        (['mixed_grad', 'double_backward'], True)
+    """
     if model not in MODELS:
         raise ValueError(f"profile: expected model in {sorted(MODELS)}, got {model!r}.")
     strategies = list(STRATEGIES) if strategies is None else list(strategies)
@@ -191,7 +211,17 @@ def _trace(fn, device, path):
 
 
 def markdown(rows):
-    """A markdown table of the rows."""
+    r"""A markdown table of :func:`profile`'s rows, one line per row with its ratios.
+
+    .. math::
+
+        \text{one line per (model, depth, strategy)}
+
+    Example:
+        >>> from mixedad import benchmark
+        >>> benchmark.markdown([]).splitlines()[0].startswith("| model | depth | strategy |")
+        True
+    """
     lines = ["| model | depth | strategy | time | peak memory | time / plain forward | peak / plain forward "
              "| time / double backward | peak / double backward | max rel error |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -234,10 +264,24 @@ def plot(rows, path, title):
 
 
 def write(rows, out_dir, stem, title):
-    """Write ``stem``.json, .md and .png into out_dir; returns the three paths."""
+    r"""Write ``stem``.json, .md and .png into out_dir; returns the three paths.
+
+    .. math::
+
+        \mathrm{rows} \mapsto (\texttt{stem.json}, \texttt{stem.md}, \texttt{stem.png})
+
+    Example:
+        >>> import io, tempfile
+        >>> from mixedad import benchmark
+        >>> rows = benchmark.profile("mlp", [1, 2], width=4, batch=2, repeats=1, stream=io.StringIO())
+        >>> [p.suffix for p in benchmark.write(rows, tempfile.mkdtemp(), "mlp_cpu", "demo")]
+        ['.json', '.md', '.png']
+    """
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "mixedad": mixedad.__version__, "threads": torch.get_num_threads()}
+    from mixedad import __version__
+
+    meta = {"torch": torch.__version__, "mixedad": __version__, "threads": torch.get_num_threads()}
     paths = [out_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")]
     paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     paths[1].write_text(f"{title}\n\n{markdown(rows)}\n")

@@ -5,7 +5,8 @@ import pytest
 
 import mixedad
 
-MODULES = [mixedad, mixedad.reference, mixedad.profiling, mixedad.testing, mixedad.zoo, mixedad.distributed]
+MODULES = [mixedad, mixedad.reference, mixedad.profiling, mixedad.testing, mixedad.zoo, mixedad.distributed,
+           mixedad.benchmark]
 PUBLIC = [(m.__name__, name, getattr(m, name)) for m in MODULES for name in m.__all__
           if callable(getattr(m, name)) and not inspect.ismodule(getattr(m, name))]
 
