@@ -7,12 +7,19 @@ The public surface. Besides the functions below, the submodules ``mixedad.refere
 are public.
 """
 from mixedad import benchmark, distributed, profiling, reference, testing, zoo
+from mixedad.cached import cached_backward
+from mixedad.graph import GraphReport, graph_report
 from mixedad.input_grad import input_grad
 from mixedad.mixed import mixed_grad, mixed_jacobian
+from mixedad.penalties import EagerPenalties
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EagerPenalties",
+    "GraphReport",
+    "cached_backward",
+    "graph_report",
     "input_grad",
     "mixed_grad",
     "mixed_jacobian",

@@ -137,15 +137,16 @@ class _InputGrad(torch.autograd.Function):
         totals = None
         undo = Snapshot(meta.G)  # the replays below must leave no trace in RNG or buffers
         try:
-            for c, rng in zip(meta.chunks, meta.rng):
-                rng.restore()
-                g_leaves, tangents, g_spec = push_tangent(
-                    CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in grad_outs], strategy=meta.strategy
-                )
-                grads = contract_f_with_tangent(
-                    CALL, meta.f, y_leaves, meta.y_spec, g_leaves, tangents, g_spec, create_graph=False
-                )
-                totals = grads if totals is None else [t + g for t, g in zip(totals, grads)]
+            with undo.watching():
+                for c, rng in zip(meta.chunks, meta.rng):
+                    rng.restore()
+                    g_leaves, tangents, g_spec = push_tangent(
+                        CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in grad_outs], strategy=meta.strategy
+                    )
+                    grads = contract_f_with_tangent(
+                        CALL, meta.f, y_leaves, meta.y_spec, g_leaves, tangents, g_spec, create_graph=False
+                    )
+                    totals = grads if totals is None else [t + g for t, g in zip(totals, grads)]
         finally:
             undo.restore()
         needs = ctx.needs_input_grad[1 + meta.n_z :]

@@ -14,8 +14,13 @@ Policy, for every mixedad call:
 Snapshots copy the buffers of modules in training mode (those are the ones that update their
 buffers, like BatchNorm); buffers of eval-mode modules are watched through their version
 counters, and if one of those changes in a pass that must be undone, restoring raises instead
-of leaving G silently changed.
+of leaving G silently changed. When G is an ``nn.Module`` its modules are known up front; when
+it is any other callable (a lambda or function around modules), the modules are recorded as
+they first run inside :meth:`Snapshot.watching`, through a global forward pre-hook that exists
+only for that block.
 """
+import contextlib
+
 import torch
 from torch import nn
 
@@ -34,20 +39,43 @@ class RngState:
 
 
 class Snapshot:
-    """The random state and G's mutable buffers, to undo a pass through G."""
+    """The random state and G's mutable buffers, to undo passes through G.
+
+    Run the passes to undo inside ``with snapshot.watching():`` (needed when G is not an
+    ``nn.Module``, harmless otherwise), then call :meth:`restore`.
+    """
 
     def __init__(self, G):
         self.rng = RngState()
-        self.saved, self.watched = [], []
-        if isinstance(G, nn.Module):
+        self.saved, self.watched, self._seen = [], [], set()
+        self._upfront = isinstance(G, nn.Module)
+        if self._upfront:
             for module in G.modules():
-                for name, buf in module.named_buffers(recurse=False):
-                    if buf is None:
-                        continue
-                    if module.training:
-                        self.saved.append((buf, buf.detach().clone()))
-                    else:
-                        self.watched.append((f"{type(module).__name__}.{name}", buf, buf._version))
+                self._record(module)
+
+    def _record(self, module, *_):
+        if id(module) in self._seen:
+            return
+        self._seen.add(id(module))
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is None:
+                continue
+            if module.training:
+                self.saved.append((buf, buf.detach().clone()))
+            else:
+                self.watched.append((f"{type(module).__name__}.{name}", buf, buf._version))
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Record, before they first run, the modules a non-Module G calls inside the block."""
+        if self._upfront:
+            yield self
+            return
+        handle = nn.modules.module.register_module_forward_pre_hook(self._record)
+        try:
+            yield self
+        finally:
+            handle.remove()
 
     def restore(self):
         self.rng.restore()

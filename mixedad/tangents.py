@@ -210,7 +210,8 @@ def push_tangent(call, G, zs, vs, *, strategy="auto"):
         return _reverse(call, G, zs, vs)
     snapshot = Snapshot(G) if strategy == "auto" else None
     try:
-        g_leaves, tangents, spec = _forward(call, G, zs, vs)
+        with snapshot.watching() if snapshot is not None else contextlib.nullcontext():
+            g_leaves, tangents, spec = _forward(call, G, zs, vs)
     except (RuntimeError, NotImplementedError) as error:
         op = unsupported_op(error)
         if op is None:

@@ -81,3 +81,13 @@ def test_cuda_script_exits_cleanly_without_cuda():
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0
     assert "no CUDA device is available here" in proc.stdout
+
+
+def test_neighbours_benchmark_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["neighbours.py", "--out", str(tmp_path)])
+    try:
+        runpy.run_path(str(BENCH / "neighbours.py"), run_name="__main__")
+    except SystemExit as exit:
+        assert exit.code == 0
+    rows = json.loads((tmp_path / "neighbours_cpu.json").read_text())
+    assert all(r["ratio"] < 1 and r["max_rel_error"] < 1e-5 for r in rows)

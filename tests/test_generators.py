@@ -141,3 +141,22 @@ def test_batchnorm_stats_really_change_in_these_tests():
     after = buffers(G)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert int(after["2.num_batches_tracked"]) == int(before["2.num_batches_tracked"]) + 1
+
+
+def test_generator_wrapped_in_a_lambda_still_updates_stats_once():
+    """G need not be an nn.Module: modules it calls are found as they run and restored after replays."""
+    model = build("dcgan", "cpu", train=True)
+    naive_model = copy.deepcopy(model)
+    z, y, _ = inputs(model, "cpu", batch=4)
+    y = y[0]
+
+    def step(make, m):
+        y_ = y.clone().requires_grad_()
+        torch.manual_seed(11)
+        (make(f, lambda code: m(code), z, y_, chunk_size=2) ** 2).sum().backward()
+        return y_.grad, buffers(m)
+
+    ours, buf_ours = step(mixedad.input_grad, model)
+    naive, buf_naive = step(double_backward_input_grad, naive_model)
+    assert_close(ours, naive)
+    assert_same_buffers(buf_ours, buf_naive)

@@ -1,0 +1,98 @@
+"""A two-pass cached backward for L = g(f(x_1), ..., f(x_n)): one chunk's graph at a time."""
+import torch
+
+from mixedad._checks import check_callable, check_chunk_size
+from mixedad.state import RngState, Snapshot
+
+__all__ = ["cached_backward"]
+
+CALL = "cached_backward(f, inputs, g)"
+
+
+def cached_backward(f, inputs, g, *, chunk_size=1):
+    r"""Backpropagate :math:`L = g(f(x_1), \ldots, f(x_n))` holding one chunk's graph at a time.
+
+    .. math::
+
+        \frac{\partial L}{\partial \theta} = \sum_{i} \Big(\frac{\partial L}{\partial z_i}\Big)^{\!\top}
+            \frac{\partial f(x_i)}{\partial \theta}, \qquad z_i = f(x_i)
+
+    Pass 1 runs f on every input without a graph, stacks the outputs
+    :math:`Z = [z_1; \ldots; z_n]` and backpropagates :math:`L = g(Z)` to get
+    :math:`\partial L / \partial Z` (and the gradients of g's own parameters). Pass 2 recomputes f
+    chunk by chunk, with its graph, and backpropagates each chunk's rows of
+    :math:`\partial L/\partial Z`, accumulating into the ``.grad`` of f's parameters and of any
+    leaves that require grad, exactly as ``g(torch.stack([f(x) for x in inputs])).backward()``
+    would. Peak memory: one chunk's graph instead of all n, plus Z.
+
+    **State.** Pass 2 sees what pass 1 saw: the random state (CPU and CUDA) recorded before each
+    chunk is replayed, so dropout draws the same masks, and BatchNorm in train mode normalises
+    with the same batch statistics. Afterwards the running statistics, ``num_batches_tracked``
+    and the RNG are as pass 1, that is the naive code, left them: pass 2's updates are undone
+    (see :mod:`mixedad.state`; f may be any callable, its modules are found as they run).
+
+    Args:
+        f: callable mapping one input to a tensor; the outputs must stack.
+        inputs: a sequence of inputs (tensors or anything f takes), or a tensor whose first
+            dimension indexes them.
+        g: callable mapping the stacked outputs (n, ...) to a scalar tensor.
+        chunk_size: keyword-only; how many inputs pass 2 recomputes at once (default 1).
+
+    Returns:
+        L, detached.
+
+    Example:
+        >>> import torch
+        >>> from mixedad import cached_backward
+        >>> net = torch.nn.Linear(3, 2)
+        >>> L = cached_backward(net, [torch.randn(3) for _ in range(4)], lambda Z: Z.pow(2).sum(), chunk_size=2)
+        >>> L.requires_grad, net.weight.grad.shape
+        (False, torch.Size([2, 3]))
+    """
+    check_callable(CALL, "f", f)
+    check_callable(CALL, "g", g)
+    step = check_chunk_size(CALL, chunk_size)
+    if isinstance(inputs, torch.Tensor):
+        inputs = list(inputs.unbind(0))
+    elif not isinstance(inputs, (list, tuple)):
+        raise TypeError(f"{CALL}: expected inputs to be a list, tuple or tensor, got {type(inputs).__name__}.")
+    if not inputs:
+        raise ValueError(f"{CALL}: expected at least one input, got none.")
+    chunks = [inputs[i : i + step] for i in range(0, len(inputs), step)]
+
+    rng_before = []
+    outputs = []
+    with torch.no_grad():
+        for chunk in chunks:
+            rng_before.append(RngState())
+            outputs += [_output(f, x) for x in chunk]
+    after_first_pass = Snapshot(f)
+    Z = torch.stack(outputs).requires_grad_()
+    del outputs  # one copy of the outputs from here on
+    with torch.enable_grad():
+        L = g(Z)
+        if not isinstance(L, torch.Tensor) or L.numel() != 1:
+            raise ValueError(f"{CALL}: expected g to return a scalar tensor, got "
+                             f"{tuple(L.shape) if isinstance(L, torch.Tensor) else type(L).__name__}.")
+        L.backward()
+    dL_dZ = torch.zeros_like(Z) if Z.grad is None else Z.grad
+    del Z
+    try:
+        with after_first_pass.watching(), torch.enable_grad():
+            start = 0
+            for chunk, rng in zip(chunks, rng_before):
+                rng.restore()
+                z = torch.stack([_output(f, x) for x in chunk])
+                if z.requires_grad:
+                    torch.autograd.backward(z, dL_dZ[start : start + len(chunk)])
+                start += len(chunk)
+    finally:
+        after_first_pass.restore()
+    return L.detach()
+
+
+def _output(f, x):
+    z = f(x)
+    if not isinstance(z, torch.Tensor):
+        raise TypeError(f"{CALL}: expected f to return a tensor, got {type(z).__name__}.")
+    return z
