@@ -4,6 +4,8 @@ Every message opens with the call it belongs to (``mixed_grad(f, G, z, y): ...``
 was expected and what came in, and the fix where there is one. Wrong kinds raise TypeError,
 wrong shapes or values ValueError.
 """
+import itertools
+
 import torch
 
 from mixedad._trees import describe, tree_flatten
@@ -198,10 +200,11 @@ def check_devices(call, G, zs, y_leaves):
                 f"{call}: y's leaf {i} is on {leaf.device} but z is on {device}; move them to one device."
             )
     if isinstance(G, nn.Module):
-        for name, t in list(G.named_parameters()) + list(G.named_buffers()):
-            if t.device != device:
-                raise ValueError(
-                    f"{call}: G's {name} is on {t.device} but z is on {device}; move G with "
-                    f"G.to({str(device)!r}) or z with z.to({str(t.device)!r})."
-                )
-            break  # one tensor tells where the module lives; mixed placements are G's own business
+        # One tensor tells where the module lives; mixed placements are G's own business.
+        first = next(itertools.chain(G.named_parameters(), G.named_buffers()), None)
+        if first is not None and first[1].device != device:
+            name, t = first
+            raise ValueError(
+                f"{call}: G's {name} is on {t.device} but z is on {device}; move G with "
+                f"G.to({str(device)!r}) or z with z.to({str(t.device)!r})."
+            )

@@ -66,7 +66,6 @@ def cached_backward(f, inputs, g, *, chunk_size=1):
         for chunk in chunks:
             rng_before.append(RngState())
             outputs += [_output(f, x) for x in chunk]
-    after_first_pass = Snapshot(f)
     Z = torch.stack(outputs).requires_grad_()
     del outputs  # one copy of the outputs from here on
     with torch.enable_grad():
@@ -77,6 +76,7 @@ def cached_backward(f, inputs, g, *, chunk_size=1):
         L.backward()
     dL_dZ = torch.zeros_like(Z) if Z.grad is None else Z.grad
     del Z
+    after_first_pass = Snapshot(f)  # after g too: g may draw random numbers of its own
     try:
         with after_first_pass.watching(), torch.enable_grad():
             start = 0

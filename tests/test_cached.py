@@ -111,3 +111,21 @@ def test_peak_is_one_chunk_graph_not_all():
 def test_errors(args, exc, pattern):
     with pytest.raises(exc, match=r"cached_backward\(f, inputs, g\): " + pattern):
         cached_backward(*args)
+
+
+def test_g_that_draws_random_numbers_leaves_rng_as_naive():
+    net_a = model()
+    net_b = copy.deepcopy(net_a)
+    xs = [x.detach() for x in inputs(4)]
+
+    def noisy_g(Z):
+        return (Z * torch.rand_like(Z)).pow(2).sum()
+
+    torch.manual_seed(4)
+    L_a = cached_backward(net_a, xs, noisy_g)
+    rng_a = torch.get_rng_state()
+    torch.manual_seed(4)
+    L_b = naive(net_b, xs, noisy_g)
+    assert torch.equal(rng_a, torch.get_rng_state())
+    assert_close(L_a, L_b)
+    assert_close([p.grad for p in net_a.parameters()], [p.grad for p in net_b.parameters()])
