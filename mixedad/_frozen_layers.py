@@ -14,7 +14,17 @@ A ``TorchFunctionMode`` intercepts ``F.linear``, ``F.conv{1,2,3}d``,
 and the weights do not, computes primal and tangent with two plain calls, and returns them as a
 dual tensor. Everything else (activations, train-mode normalisation, attention, weights that
 carry tangents such as modulated convolutions) takes ordinary forward AD.
+
+Kernels. The primal is always the user's own call, so ``G(z)`` comes out bit for bit as a plain
+forward computes it. The tangent of a float32 ``F.linear`` on the CPU goes through oneDNN's
+matrix product (``torch.ops.mkldnn._linear_pointwise``, the kernel PyTorch's CPU compiler
+uses) where this build has it and ``torch.backends.mkldnn`` is enabled; eager ``F.linear``
+calls the BLAS, which on some CPUs (MKL on AMD processors) runs at less than half oneDNN's
+speed. The two agree to float32 round-off. ``torch.backends.mkldnn.flags(enabled=False)``
+turns the oneDNN tangent off; float64 never takes it (oneDNN has no float64 kernels).
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,12 +35,56 @@ _WEIGHTED = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_
 _BATCH_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 
 
+# The rules run for every layer of every pass, so they call the C++ entry points behind
+# forward_ad.unpack_dual / make_dual directly: the Python wrappers cost more than a small
+# layer's arithmetic (they re-read the level and check the environment on every call).
+def _unpack(x):
+    """(primal, tangent or None) of ``x`` at the innermost dual level."""
+    return torch._unpack_dual(x, forward_ad._current_level)
+
+
+def _dual(primal, tangent):
+    return torch._VF._make_dual(primal, tangent, level=forward_ad._current_level)
+
+
 def _tangent(x):
     # A Parameter never carries a tangent at mixedad's own dual level (only tensors computed
     # from z do), so it is answered without the unpacking call.
     if not isinstance(x, torch.Tensor) or isinstance(x, nn.Parameter):
         return None
-    return forward_ad.unpack_dual(x).tangent
+    return _unpack(x)[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_linear_op():
+    """``torch.ops.mkldnn._linear_pointwise`` if this build has it and it computes F.linear, else None.
+
+    Probed once on fixed (not random) inputs, so the user's RNG is never touched.
+    """
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return None
+    x = torch.linspace(-1.0, 1.0, 24).reshape(2, 3, 4)
+    w = torch.linspace(0.5, -0.5, 20).reshape(5, 4)
+    try:
+        with torch.no_grad():
+            ok = torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), rtol=1e-5, atol=1e-6)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return op if ok else None
+
+
+def _linear_tangent(x_tangent, weight):
+    r"""The tangent of a frozen linear layer, :math:`\dot y = \dot x W^\top`, on the fastest kernel."""
+    if (x_tangent.dtype == torch.float32 and weight.dtype == torch.float32
+            and x_tangent.device.type == "cpu" and weight.device.type == "cpu"
+            and x_tangent.layout == torch.strided and weight.layout == torch.strided
+            and type(x_tangent) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
+            and weight.dim() == 2 and x_tangent.dim() >= 1 and torch.backends.mkldnn.enabled):
+        op = _onednn_linear_op()
+        if op is not None:
+            return op(x_tangent, weight, None, "none", [], "")
+    return F.linear(x_tangent, weight)
 
 
 def _weighted(func, args, kwargs):
@@ -38,15 +92,19 @@ def _weighted(func, args, kwargs):
         return NotImplemented
     bias_in_args = len(args) > 2
     bias = args[2] if bias_in_args else kwargs.get("bias")
-    x_tangent = _tangent(args[0])
-    if x_tangent is None or _tangent(bias) is not None:
+    if not isinstance(args[0], torch.Tensor) or _tangent(bias) is not None:
         return NotImplemented
-    primal = func(forward_ad.unpack_dual(args[0]).primal, *args[1:], **kwargs)
-    if bias_in_args:
+    x_primal, x_tangent = _unpack(args[0])
+    if x_tangent is None:
+        return NotImplemented
+    primal = func(x_primal, *args[1:], **kwargs)
+    if func is F.linear:
+        tangent = _linear_tangent(x_tangent, args[1])
+    elif bias_in_args:
         tangent = func(x_tangent, args[1], None, *args[3:], **kwargs)
     else:
         tangent = func(x_tangent, args[1], **{**kwargs, "bias": None})
-    return forward_ad.make_dual(primal, tangent)
+    return _dual(primal, tangent)
 
 
 def _batch_norm_eval(args, kwargs):
@@ -54,16 +112,17 @@ def _batch_norm_eval(args, kwargs):
     if bound.get("training", False):
         return NotImplemented
     x = bound.pop("input")
-    x_tangent = _tangent(x)
     mean, var, weight = bound["running_mean"], bound["running_var"], bound.get("weight")
-    if (x_tangent is None or mean is None or var is None
-            or any(_tangent(t) is not None for t in (mean, var, weight, bound.get("bias")))):
+    if not isinstance(x, torch.Tensor) or mean is None or var is None:
         return NotImplemented
-    primal = F.batch_norm(forward_ad.unpack_dual(x).primal, **bound)
+    x_primal, x_tangent = _unpack(x)
+    if x_tangent is None or any(_tangent(t) is not None for t in (mean, var, weight, bound.get("bias"))):
+        return NotImplemented
+    primal = F.batch_norm(x_primal, **bound)
     scale = torch.rsqrt(var + bound.get("eps", 1e-5))
     if weight is not None:
         scale = scale * weight
-    return forward_ad.make_dual(primal, x_tangent * scale.reshape(1, -1, *([1] * (x_tangent.dim() - 2))))
+    return _dual(primal, x_tangent * scale.reshape(1, -1, *([1] * (x_tangent.dim() - 2))))
 
 
 class FrozenLayerRules(TorchFunctionMode):

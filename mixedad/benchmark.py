@@ -7,18 +7,26 @@ For each model and depth, every strategy runs on the same inputs in the same pro
 - ``func_grad_of_grad``: ``torch.func.grad`` of ``torch.func.grad`` (reverse over reverse);
 - ``forward_ad_recipe``: the forum thread's recipe (``torch.autograd.forward_ad`` through a frozen G,
   then ``autograd.grad`` twice through f), without mixedad's fast layer rules;
-- ``plain_forward``: ``G(z)`` under ``torch.no_grad()``, the yardstick.
+- ``plain_forward``: ``G(z)`` under ``torch.no_grad()``, the yardstick;
+- ``mixed_grad_no_onednn`` (not in the default set): mixed_grad under
+  ``torch.backends.mkldnn.flags(enabled=False)``. On the MLP this isolates mixedad's oneDNN
+  tangent kernel for float32 ``Linear`` layers (see :mod:`mixedad._frozen_layers`): every matrix
+  product then runs on the same BLAS as the other strategies. On convolutional models it also
+  moves PyTorch's own convolutions off oneDNN, so it is meaningless there.
 
 Time is the median over repeats (CUDA events on a GPU), with the strategies timed round-robin
-so that each median sees the same machine; peak memory is the CUDA allocator's peak or, on CPU,
+so that each median sees the same machine and Python's garbage collector paused while timing; peak memory is the CUDA allocator's peak or, on CPU,
 the exact storage byte count of :mod:`mixedad.profiling`. Ratios are taken within one run,
 because absolute times on a shared machine are noise.
 """
+import contextlib
+import gc
 import json
 import pathlib
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 from torch.autograd import forward_ad
@@ -29,7 +37,7 @@ from mixedad.profiling import cpu_peak_memory, cuda_peak_memory, median_time
 from mixedad.reference import double_backward_mixed_grad
 from mixedad.testing import max_relative_error
 
-__all__ = ["profile", "markdown", "write", "STRATEGIES", "MODELS"]
+__all__ = ["profile", "markdown", "write", "STRATEGIES", "DEFAULT_STRATEGIES", "MODELS"]
 
 
 def objective(y, g):
@@ -59,13 +67,30 @@ def _plain_forward(f, G, z, y, v):
         return G(z)
 
 
+@contextlib.contextmanager
+def _onednn_off():
+    with warnings.catch_warnings():
+        # torch warns about oneDNN TF32 on Intel GPUs whenever the flags are set; irrelevant here.
+        warnings.filterwarnings("ignore", "TF32 acceleration on top of oneDNN", UserWarning)
+        with torch.backends.mkldnn.flags(enabled=False):
+            yield
+
+
+def _mixed_grad_no_onednn(f, G, z, y, v):
+    with _onednn_off():
+        return mixed_grad(f, G, z, y, v)
+
+
 STRATEGIES = {
     "mixed_grad": mixed_grad,
     "double_backward": double_backward_mixed_grad,
     "func_grad_of_grad": _func_grad_of_grad,
     "forward_ad_recipe": _forward_ad_recipe,
     "plain_forward": _plain_forward,
+    "mixed_grad_no_onednn": _mixed_grad_no_onednn,
 }
+#: what ``profile`` runs when no strategies are named
+DEFAULT_STRATEGIES = ("mixed_grad", "double_backward", "func_grad_of_grad", "forward_ad_recipe", "plain_forward")
 
 #: model name -> (builder(depth, width, dtype, device), what depth means, batch shape of z)
 MODELS = {
@@ -117,9 +142,16 @@ def interleaved_times(fns, device, repeats):
     for fn in fns.values():
         fn()  # warm-up
     samples = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            samples[name].append(timer(fn))
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                samples[name].append(timer(fn))
+    finally:
+        if collecting:
+            gc.enable()
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
@@ -162,7 +194,7 @@ def profile(model, depths, *, width, batch, dtype=torch.float32, device="cpu", s
     """
     if model not in MODELS:
         raise ValueError(f"profile: expected model in {sorted(MODELS)}, got {model!r}.")
-    strategies = list(STRATEGIES) if strategies is None else list(strategies)
+    strategies = list(DEFAULT_STRATEGIES if strategies is None else strategies)
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"profile: expected strategies from {sorted(STRATEGIES)}, got {unknown}.")

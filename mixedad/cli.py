@@ -19,7 +19,7 @@ def build_parser():
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")
 
-    from mixedad.benchmark import MODELS, STRATEGIES
+    from mixedad.benchmark import DEFAULT_STRATEGIES, MODELS, STRATEGIES
 
     prof = sub.add_parser("profile", help="time and peak memory of mixed_grad and alternatives against depth")
     prof.add_argument("--model", choices=sorted(MODELS), default="mlp")
@@ -29,7 +29,7 @@ def build_parser():
     prof.add_argument("--batch", type=int, default=None, help="batch size (default per model, as above)")
     prof.add_argument("--device", default="cpu")
     prof.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    prof.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES))
+    prof.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=list(DEFAULT_STRATEGIES))
     prof.add_argument("--repeats", type=int, default=5, help="timing repeats (median)")
     prof.add_argument("--out", default="profile-results", help="folder for the JSON, markdown and PNG")
     prof.add_argument("--trace", action="store_true",

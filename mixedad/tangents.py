@@ -7,7 +7,8 @@ ops take which path:
   transforms it uses ``torch.autograd.forward_ad`` (dual tensors), which also runs BatchNorm in
   train mode (its running statistics are updated once and never become dual); frozen linear,
   convolution and eval-mode batch-norm layers take the fast rules of
-  :mod:`mixedad._frozen_layers` (two plain calls each). Inside
+  :mod:`mixedad._frozen_layers` (two plain calls each; a float32 Linear tangent on the CPU runs
+  on oneDNN). Inside
   ``torch.func.vmap`` and the other transforms it uses ``torch.func.jvp``, which vmap can batch.
   Memory: one forward pass holding primal and tangent, flat in G's depth. Attention runs through
   the math SDPA backend and the nn.MultiheadAttention / TransformerEncoderLayer fast path is

@@ -65,6 +65,7 @@ def test_depth_benchmark_checks_targets(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "mlp_cpu.json").exists() and (tmp_path / "dcgan_cpu.png").exists()
     table = (tmp_path / "targets_cpu.md").read_text()
     assert "| MLP: time / double backward |" in table and "| DCGAN: peak / plain forward |" in table
+    assert "| MLP, oneDNN tangent off (same BLAS as the baselines): time / double backward |" in table
 
 
 def test_cuda_script_exits_cleanly_without_cuda():
@@ -91,3 +92,21 @@ def test_neighbours_benchmark_runs(tmp_path, monkeypatch):
         assert exit.code == 0
     rows = json.loads((tmp_path / "neighbours_cpu.json").read_text())
     assert all(r["ratio"] < 1 and r["max_rel_error"] < 1e-5 for r in rows)
+
+
+def test_linear_kernels_benchmark_runs(tmp_path, capsys):
+    sys.path.insert(0, str(BENCH))
+    try:
+        from linear_kernels import main
+    finally:
+        sys.path.remove(str(BENCH))
+    assert main(["--batch", "4", "--width", "8", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    from mixedad._frozen_layers import _onednn_linear_op
+
+    if _onednn_linear_op() is None:
+        assert "no usable oneDNN linear kernel" in capsys.readouterr().out
+        return
+    result = json.loads((tmp_path / "linear_kernels_cpu.json").read_text())
+    assert set(result["seconds"]) == {"F.linear (BLAS)", "oneDNN"}
+    assert result["max_rel_difference"] < 1e-5
+    assert "| oneDNN |" in (tmp_path / "linear_kernels_cpu.md").read_text()

@@ -74,3 +74,94 @@ def test_weights_with_tangents_take_general_forward_ad():
     with forward_ad.dual_level():
         expected = forward_ad.unpack_dual(G(forward_ad.make_dual(z, v))).tangent
     assert_close(fast[1][0], expected)
+
+
+@pytest.fixture
+def onednn_spy(monkeypatch):
+    """Counts the calls that reach the oneDNN linear kernel (None: this build has none)."""
+    from mixedad import _frozen_layers
+
+    real = _frozen_layers._onednn_linear_op()
+    calls = []
+    if real is not None:
+        def spy(*args):
+            calls.append(args[0].shape)
+            return real(*args)
+
+        monkeypatch.setattr(_frozen_layers, "_onednn_linear_op", lambda: spy)
+    return real, calls
+
+
+TANGENT_LAYOUTS = {
+    "contiguous": lambda: torch.randn(4, 6),
+    "3d": lambda: torch.randn(2, 3, 6),
+    "expanded": lambda: torch.randn(6).expand(4, 6),
+    "strided": lambda: torch.randn(4, 12)[:, ::2],
+    "empty_batch": lambda: torch.randn(0, 6),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(TANGENT_LAYOUTS))
+def test_float32_linear_tangent_takes_onednn_and_matches(layout, onednn_spy):
+    real, calls = onednn_spy
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 5)
+    t = TANGENT_LAYOUTS[layout]()
+    x = torch.randn(t.shape)
+    with torch.no_grad():
+        primal_plain = layer(x)
+    primal, tangent, _ = _forward("test", layer, (x,), (t,), fast_rules=True)
+    _, general, _ = _forward("test", layer, (x,), (t,), fast_rules=False)
+    assert torch.equal(primal[0], primal_plain)  # the primal is the user's own call, bit for bit
+    assert_close(tangent[0], general[0], rtol=1e-5)
+    assert tangent[0].shape == t.shape[:-1] + (5,)
+    if real is None:
+        pytest.skip("this PyTorch build has no oneDNN linear kernel; the BLAS path was checked")
+    assert len(calls) == 1
+
+
+def test_float64_and_disabled_onednn_take_the_blas(onednn_spy):
+    _, calls = onednn_spy
+    layer = nn.Linear(6, 5)
+    x, t = torch.randn(4, 6), torch.randn(4, 6)
+    _forward("test", layer.double(), (x.double(),), (t.double(),))
+    assert calls == []
+    layer.float()
+    with _mkldnn_off():
+        _, tangent, _ = _forward("test", layer, (x,), (t,))
+    assert calls == []
+    assert torch.equal(tangent[0], torch.nn.functional.linear(t, layer.weight).detach())
+
+
+def _mkldnn_off():
+    import contextlib
+    import warnings
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.filterwarnings("ignore", "TF32 acceleration on top of oneDNN", UserWarning)
+    stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
+    return stack
+
+
+def test_onednn_probe_leaves_the_rng_alone():
+    from mixedad import _frozen_layers
+
+    _frozen_layers._onednn_linear_op.cache_clear()
+    state = torch.get_rng_state()
+    _frozen_layers._onednn_linear_op()
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_benchmark_strategy_without_onednn_takes_the_blas_and_agrees(onednn_spy):
+    from mixedad import benchmark, zoo
+
+    real, calls = onednn_spy
+    G = zoo.mlp(3, 16)
+    z, y, v = torch.randn(4, 16), torch.randn(4, 16), torch.randn(4, 16)
+    without = benchmark.STRATEGIES["mixed_grad_no_onednn"](benchmark.objective, G, z, y, v)
+    assert calls == []
+    with_onednn = benchmark.STRATEGIES["mixed_grad"](benchmark.objective, G, z, y, v)
+    assert len(calls) == (3 if real is not None else 0)
+    assert_close(with_onednn, without, rtol=1e-5)
+    assert torch.backends.mkldnn.enabled  # the strategy restored the flag
