@@ -21,7 +21,9 @@ matrix product (``torch.ops.mkldnn._linear_pointwise``, the kernel PyTorch's CPU
 uses) where this build has it and ``torch.backends.mkldnn`` is enabled; eager ``F.linear``
 calls the BLAS, which on some CPUs (MKL on AMD processors) runs at less than half oneDNN's
 speed. The two agree to float32 round-off. ``torch.backends.mkldnn.flags(enabled=False)``
-turns the oneDNN tangent off; float64 never takes it (oneDNN has no float64 kernels).
+turns the oneDNN tangent off; float64 never takes it (oneDNN has no float64 kernels), and
+neither does a pass under CPU autocast, where F.linear chooses the tangent's dtype as it does
+the primal's.
 """
 import functools
 
@@ -74,13 +76,21 @@ def _onednn_linear_op():
     return op if ok else None
 
 
+def _cpu_autocast_on():
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled()
+
+
 def _linear_tangent(x_tangent, weight):
     r"""The tangent of a frozen linear layer, :math:`\dot y = \dot x W^\top`, on the fastest kernel."""
     if (x_tangent.dtype == torch.float32 and weight.dtype == torch.float32
             and x_tangent.device.type == "cpu" and weight.device.type == "cpu"
             and x_tangent.layout == torch.strided and weight.layout == torch.strided
             and type(x_tangent) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
-            and weight.dim() == 2 and x_tangent.dim() >= 1 and torch.backends.mkldnn.enabled):
+            and weight.dim() == 2 and x_tangent.dim() >= 1 and torch.backends.mkldnn.enabled
+            and not _cpu_autocast_on()):  # under autocast, F.linear picks the dtype
         op = _onednn_linear_op()
         if op is not None:
             return op(x_tangent, weight, None, "none", [], "")

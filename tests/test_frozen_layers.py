@@ -165,3 +165,18 @@ def test_benchmark_strategy_without_onednn_takes_the_blas_and_agrees(onednn_spy)
     assert len(calls) == (3 if real is not None else 0)
     assert_close(with_onednn, without, rtol=1e-5)
     assert torch.backends.mkldnn.enabled  # the strategy restored the flag
+
+
+def test_cpu_autocast_keeps_tangent_and_primal_in_one_dtype(onednn_spy):
+    _, calls = onednn_spy
+    from mixedad import zoo
+
+    G = zoo.mlp(3, 16)
+    z, v = torch.randn(4, 16), torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        primal, tangent, _ = _forward("test", G, (z,), (v,))
+    assert calls == []
+    assert primal[0].dtype == tangent[0].dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad(), torch.autograd.forward_ad.dual_level():
+        expected = torch.autograd.forward_ad.unpack_dual(G(torch.autograd.forward_ad.make_dual(z, v))).tangent
+    assert torch.equal(tangent[0], expected)
