@@ -165,6 +165,26 @@ def check_z_constant(call, zs):
         )
 
 
+def check_no_forward_tangents(call, tensors):
+    """Refuse inputs carrying the caller's own forward-mode tangents, which mixedad would drop.
+
+    Only possible inside the caller's ``forward_ad.dual_level()``; PyTorch cannot nest forward
+    mode, so mixedad cannot carry such tangents through its own pass.
+    """
+    from torch.autograd import forward_ad
+
+    if forward_ad._current_level < 0:
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            raise ValueError(
+                f"{call}: an input is a forward-mode dual tensor of the caller's dual_level(). mixedad "
+                f"cannot propagate forward-mode tangents through its result (PyTorch cannot nest forward "
+                f"mode), so they would be lost silently. Pass forward_ad.unpack_dual(x).primal, or use "
+                f"mixedad.reference for derivatives of higher order."
+            )
+
+
 def check_no_foreign_leaves(call, out, allowed):
     """Raise if out's graph reaches a leaf that requires grad other than those in ``allowed``.
 

@@ -74,6 +74,7 @@ def input_grad(f, G, z, y, *, chunk_size=None, strategy="auto"):
     """
     zs, y_leaves, y_spec, _ = _checks.mixed_args(CALL, f, G, z, y, None)
     _checks.check_z_constant(CALL, zs)
+    _checks.check_no_forward_tangents(CALL, [*zs, *y_leaves])
     _checks.check_strategy(CALL, strategy)
     G = eager(G)
     _checks.check_devices(CALL, G, zs, y_leaves)

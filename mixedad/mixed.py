@@ -73,6 +73,7 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
 
 def _mixed_grad(call, f, G, z, y, v, create_graph, strategy):
     zs, y_leaves, y_spec, vs = _checks.mixed_args(call, f, G, z, y, v)
+    _checks.check_no_forward_tangents(call, [*zs, *y_leaves, *vs])
     _checks.check_strategy(call, strategy)
     G = eager(G)
     _checks.check_devices(call, G, zs, y_leaves)

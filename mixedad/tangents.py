@@ -209,6 +209,21 @@ def push_tangent(call, G, zs, vs, *, strategy="auto"):
     """
     if strategy == "reverse":
         return _reverse(call, G, zs, vs)
+    if forward_ad._current_level >= 0:
+        # PyTorch has one forward-AD level: inside the caller's own dual_level() neither dual
+        # tensors nor torch.func.jvp can open another.
+        if strategy == "forward":
+            raise RuntimeError(
+                f"{call}: called inside an open torch.autograd.forward_ad.dual_level(), and PyTorch "
+                f"cannot nest forward-mode AD, so strategy='forward' cannot run. Call mixedad outside "
+                f"the dual level, or use strategy='auto' or 'reverse' (two reverse passes; memory grows "
+                f"with G's depth)."
+            )
+        _warn_once(("nested",),
+                   "mixedad: called inside an open forward_ad.dual_level(); PyTorch cannot nest forward-mode "
+                   "AD, so tangents are pushed through G with two reverse passes instead (the double-VJP "
+                   "trick). Memory now grows with G's depth.")
+        return _reverse(call, G, zs, vs)
     snapshot = Snapshot(G) if strategy == "auto" else None
     try:
         with snapshot.watching() if snapshot is not None else contextlib.nullcontext():

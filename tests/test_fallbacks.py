@@ -217,3 +217,35 @@ def test_check_generator_passes_on_the_zoo_and_catches_partial_loss():
     with pytest.raises(AssertionError, match=r"check_generator\(G, z\): <u, J v> by mixedad's tangents .* strategy='reverse'"):
         check_generator(partly_lossy, z)
     assert check_generator(partly_lossy, z, strategy="reverse") < 1e-10
+
+
+def test_inside_callers_dual_level_auto_falls_back_to_reverse():
+    """PyTorch cannot nest forward mode: inside the caller's dual_level mixedad goes reverse."""
+    G = zoo.mlp(3, 6, seed=5, dtype=F64)
+    z, y, v = data()
+    x = torch.randn(4, 6, dtype=F64)
+    y_naive = y[0].clone().requires_grad_()  # one y shared by every code, for input_grad
+    (double_backward_input_grad(f, G, z, y_naive) * x).sum().backward()
+    with forward_ad.dual_level():
+        with pytest.warns(RuntimeWarning, match="inside an open forward_ad.dual_level"):
+            ours = mixedad.mixed_grad(f, G, z, y, v)
+        y_ours = y[0].clone().requires_grad_()
+        (mixedad.input_grad(f, G, z, y_ours, chunk_size=3) * x).sum().backward()
+        with pytest.raises(RuntimeError, match="cannot nest forward-mode AD, so strategy='forward'"):
+            mixedad.mixed_grad(f, G, z, y, v, strategy="forward")
+    assert_close(ours, double_backward_mixed_grad(f, G, z, y, v))
+    assert_close(y_ours.grad, y_naive.grad)
+
+
+@pytest.mark.parametrize("which", ["z", "y", "v"])
+def test_callers_dual_inputs_are_refused_not_dropped(which):
+    G = zoo.mlp(2, 6, seed=5, dtype=F64)
+    z, y, v = data()
+    with forward_ad.dual_level():
+        args = {"z": z, "y": y, "v": v}
+        args[which] = forward_ad.make_dual(args[which], torch.ones_like(args[which]))
+        with pytest.raises(ValueError, match="forward-mode dual tensor of the caller's dual_level"):
+            mixedad.mixed_grad(f, G, args["z"], args["y"], args["v"])
+        if which != "v":
+            with pytest.raises(ValueError, match="forward-mode dual tensor of the caller's dual_level"):
+                mixedad.input_grad(f, G, args["z"], args["y"])
