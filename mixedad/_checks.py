@@ -8,6 +8,7 @@ import itertools
 
 import torch
 
+from mixedad._transforms import in_functorch_transform
 from mixedad._trees import describe, tree_flatten
 
 
@@ -173,7 +174,9 @@ def check_no_forward_tangents(call, tensors):
     """
     from torch.autograd import forward_ad
 
-    if forward_ad._current_level < 0:
+    # torch.func.jvp opens a dual level too, and mixedad composes with it (its own pass then
+    # runs as a nested torch.func.jvp): only a plain dual_level() outside transforms is refused.
+    if forward_ad._current_level < 0 or in_functorch_transform():
         return
     for t in tensors:
         if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:

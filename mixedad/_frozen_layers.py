@@ -33,6 +33,8 @@ from torch import nn
 from torch.autograd import forward_ad
 from torch.overrides import TorchFunctionMode
 
+from mixedad._transforms import in_functorch_transform
+
 _WEIGHTED = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
 _BATCH_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 
@@ -66,8 +68,9 @@ def _onednn_linear_op():
     op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
     if op is None or not torch.backends.mkldnn.is_available():
         return None
-    x = torch.linspace(-1.0, 1.0, 24).reshape(2, 3, 4)
-    w = torch.linspace(0.5, -0.5, 20).reshape(5, 4)
+    # Explicit dtype and device: the probe must not follow a default dtype or device the user set.
+    x = torch.linspace(-1.0, 1.0, 24, dtype=torch.float32, device="cpu").reshape(2, 3, 4)
+    w = torch.linspace(0.5, -0.5, 20, dtype=torch.float32, device="cpu").reshape(5, 4)
     try:
         with torch.no_grad():
             ok = torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), rtol=1e-5, atol=1e-6)
@@ -89,7 +92,8 @@ def _linear_tangent(x_tangent, weight):
             and x_tangent.device.type == "cpu" and weight.device.type == "cpu"
             and x_tangent.layout == torch.strided and weight.layout == torch.strided
             and type(x_tangent) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
-            and weight.dim() == 2 and x_tangent.dim() >= 1 and torch.backends.mkldnn.enabled
+            and weight.dim() == 2 and weight.shape[1] > 0 and x_tangent.dim() >= 1  # oneDNN refuses K = 0
+            and torch.backends.mkldnn.enabled
             and not _cpu_autocast_on()):  # under autocast, F.linear picks the dtype
         op = _onednn_linear_op()
         if op is not None:
@@ -141,7 +145,9 @@ class FrozenLayerRules(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = NotImplemented
-        if func in _WEIGHTED:
+        if in_functorch_transform():
+            pass  # G runs torch.func.vmap (or another transform) inside: its tensors are not plain duals
+        elif func in _WEIGHTED:
             result = _weighted(func, args, kwargs)
         elif func is F.batch_norm:
             result = _batch_norm_eval(args, kwargs)

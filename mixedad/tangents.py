@@ -34,6 +34,7 @@ from torch.autograd import forward_ad
 from torch.func import functional_call, jvp, vjp
 
 from mixedad._frozen_layers import FrozenLayerRules
+from mixedad._transforms import in_functorch_transform
 from mixedad._trees import describe, tree_flatten, tree_unflatten
 from mixedad.state import Snapshot
 
@@ -114,11 +115,6 @@ def differentiable_attention():
             mha.set_fastpath_enabled(False)
             stack.callback(mha.set_fastpath_enabled, previous)
         yield
-
-
-def in_functorch_transform():
-    """True inside torch.func.vmap, grad, jvp, ... (where dual tensors cannot be used)."""
-    return torch._C._functorch.maybe_current_level() is not None
 
 
 def _check_outputs(call, g_leaves):
@@ -209,7 +205,7 @@ def push_tangent(call, G, zs, vs, *, strategy="auto"):
     """
     if strategy == "reverse":
         return _reverse(call, G, zs, vs)
-    if forward_ad._current_level >= 0:
+    if forward_ad._current_level >= 0 and not in_functorch_transform():
         # PyTorch has one forward-AD level: inside the caller's own dual_level() neither dual
         # tensors nor torch.func.jvp can open another.
         if strategy == "forward":

@@ -249,3 +249,19 @@ def test_callers_dual_inputs_are_refused_not_dropped(which):
         if which != "v":
             with pytest.raises(ValueError, match="forward-mode dual tensor of the caller's dual_level"):
                 mixedad.input_grad(f, G, args["z"], args["y"])
+
+
+def test_jvp_over_mixed_grad_is_not_taken_for_a_callers_dual_level():
+    """torch.func.jvp opens a dual level too; mixedad composes with it as before, silently."""
+    import warnings
+
+    G = zoo.mlp(2, 6, seed=5, dtype=F64)
+    z, y, v = data()
+    dy = torch.randn_like(y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, ours = torch.func.jvp(lambda yy: mixedad.mixed_grad(f, G, z, yy, v, create_graph=True), (y,), (dy,))
+    eps = 1e-6  # central differences of the reference in y (it cannot run under torch.func)
+    expected = (double_backward_mixed_grad(f, G, z, y + eps * dy, v)
+                - double_backward_mixed_grad(f, G, z, y - eps * dy, v)) / (2 * eps)
+    assert_close(ours, expected, rtol=1e-7)

@@ -180,3 +180,45 @@ def test_cpu_autocast_keeps_tangent_and_primal_in_one_dtype(onednn_spy):
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad(), torch.autograd.forward_ad.dual_level():
         expected = torch.autograd.forward_ad.unpack_dual(G(torch.autograd.forward_ad.make_dual(z, v))).tangent
     assert torch.equal(tangent[0], expected)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")
+def test_linear_without_input_features_takes_the_blas():
+    """oneDNN refuses an inner product of length 0; the rule must not hand it one."""
+    import mixedad
+
+    G = nn.Sequential(nn.Linear(4, 0), nn.Linear(0, 3))
+    z, y = torch.randn(2, 4), torch.randn(2, 3)
+    f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
+    from mixedad.reference import double_backward_mixed_grad
+
+    assert_close(mixedad.mixed_grad(f, G, z, y), double_backward_mixed_grad(f, G, z, y, torch.ones_like(z)))
+
+
+def test_onednn_probe_ignores_default_dtype_and_device():
+    from mixedad import _frozen_layers
+
+    if _frozen_layers._onednn_linear_op() is None:
+        pytest.skip("this PyTorch build has no oneDNN linear kernel")
+    _frozen_layers._onednn_linear_op.cache_clear()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            assert _frozen_layers._onednn_linear_op() is not None
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_generator_that_vmaps_inside_takes_general_forward_ad():
+    """A G that calls torch.func.vmap itself: the rules step aside for the transform's tensors."""
+    lin = nn.Linear(6, 5).double()
+
+    def G(z):
+        return torch.func.vmap(lin)(z)
+
+    z, t = torch.randn(4, 6, dtype=F64), torch.randn(4, 6, dtype=F64)
+    fast = _forward("test", G, (z,), (t,), fast_rules=True)
+    general = _forward("test", G, (z,), (t,), fast_rules=False)
+    assert_close(fast[1][0], general[1][0], rtol=1e-12)
+    assert_close(fast[1][0], torch.nn.functional.linear(t, lin.weight).detach(), rtol=1e-12)
