@@ -103,18 +103,21 @@ def mixed_args(call, f, G, z, y, v):
     check_callable(call, "G", G)
     zs = flatten_z(call, z)
     y_leaves, y_spec = flatten_y(call, y)
+    return zs, y_leaves, y_spec, flatten_v(call, z, zs, v)
+
+
+def flatten_v(call, z, zs, v):
+    """v as a tuple of tensors matching ``zs`` (z flattened by :func:`flatten_z`); None gives ones."""
     if v is None:
-        vs = tuple(torch.ones_like(zi) for zi in zs)
-    elif len(zs) == 1 and not isinstance(z, (tuple, list)):
+        return tuple(torch.ones_like(zi) for zi in zs)
+    if len(zs) == 1 and not isinstance(z, (tuple, list)):
         check_like(call, "v", v, z, "z")
-        vs = (v,)
-    else:
-        if not isinstance(v, (tuple, list)) or len(v) != len(zs):
-            raise TypeError(f"{call}: expected v to be a tuple of {len(zs)} tensors like z, got {describe(v)}.")
-        for i, (vi, zi) in enumerate(zip(v, zs)):
-            check_like(call, f"v[{i}]", vi, zi, f"z[{i}]")
-        vs = tuple(v)
-    return zs, y_leaves, y_spec, vs
+        return (v,)
+    if not isinstance(v, (tuple, list)) or len(v) != len(zs):
+        raise TypeError(f"{call}: expected v to be a tuple of {len(zs)} tensors like z, got {describe(v)}.")
+    for i, (vi, zi) in enumerate(zip(v, zs)):
+        check_like(call, f"v[{i}]", vi, zi, f"z[{i}]")
+    return tuple(v)
 
 
 def check_strategy(call, strategy):

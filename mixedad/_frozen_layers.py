@@ -9,10 +9,10 @@ weights have no tangent, and the JVP of each such layer is the layer itself, wit
     \operatorname{linear}(x, W, b)\colon\ \dot y = \operatorname{linear}(\dot x, W) \qquad
     \operatorname{bn}_{\text{eval}}(x)\colon\ \dot y = \dot x \cdot \frac{\gamma}{\sqrt{\sigma^2 + \epsilon}}
 
-A ``TorchFunctionMode`` intercepts ``F.linear``, ``F.conv{1,2,3}d``,
-``F.conv_transpose{1,2,3}d`` and eval-mode ``F.batch_norm`` when the input carries a tangent
-and the weights do not, computes primal and tangent with two plain calls, and returns them as a
-dual tensor. Everything else (activations, train-mode normalisation, attention, weights that
+mixedad's op table (:mod:`mixedad.op_rules`) sends ``F.linear``, ``F.conv{1,2,3}d``,
+``F.conv_transpose{1,2,3}d`` and eval-mode ``F.batch_norm`` here. When the input carries a
+tangent and the weights do not, a rule computes primal and tangent with two plain calls and
+returns them as a dual tensor; otherwise it declines (returns NotImplemented). Everything else (activations, train-mode normalisation, attention, weights that
 carry tangents such as modulated convolutions) takes ordinary forward AD.
 
 Kernels. The primal is always the user's own call, so ``G(z)`` comes out bit for bit as a plain
@@ -30,33 +30,11 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd import forward_ad
-from torch.overrides import TorchFunctionMode
 
-from mixedad._transforms import in_functorch_transform
+from mixedad._duals import dual, tangent_of, unpack
 
-_WEIGHTED = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+WEIGHTED = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
 _BATCH_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
-
-
-# The rules run for every layer of every pass, so they call the C++ entry points behind
-# forward_ad.unpack_dual / make_dual directly: the Python wrappers cost more than a small
-# layer's arithmetic (they re-read the level and check the environment on every call).
-def _unpack(x):
-    """(primal, tangent or None) of ``x`` at the innermost dual level."""
-    return torch._unpack_dual(x, forward_ad._current_level)
-
-
-def _dual(primal, tangent):
-    return torch._VF._make_dual(primal, tangent, level=forward_ad._current_level)
-
-
-def _tangent(x):
-    # A Parameter never carries a tangent at mixedad's own dual level (only tensors computed
-    # from z do), so it is answered without the unpacking call.
-    if not isinstance(x, torch.Tensor) or isinstance(x, nn.Parameter):
-        return None
-    return _unpack(x)[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,14 +79,15 @@ def _linear_tangent(x_tangent, weight):
     return F.linear(x_tangent, weight)
 
 
-def _weighted(func, args, kwargs):
-    if len(args) < 2 or _tangent(args[1]) is not None:
+def weighted_rule(call, func, args, kwargs):
+    """Frozen linear or convolution: the primal call, and the same call on the tangent without bias."""
+    if len(args) < 2 or tangent_of(args[1]) is not None:
         return NotImplemented
     bias_in_args = len(args) > 2
     bias = args[2] if bias_in_args else kwargs.get("bias")
-    if not isinstance(args[0], torch.Tensor) or _tangent(bias) is not None:
+    if not isinstance(args[0], torch.Tensor) or tangent_of(bias) is not None:
         return NotImplemented
-    x_primal, x_tangent = _unpack(args[0])
+    x_primal, x_tangent = unpack(args[0])
     if x_tangent is None:
         return NotImplemented
     primal = func(x_primal, *args[1:], **kwargs)
@@ -118,10 +97,11 @@ def _weighted(func, args, kwargs):
         tangent = func(x_tangent, args[1], None, *args[3:], **kwargs)
     else:
         tangent = func(x_tangent, args[1], **{**kwargs, "bias": None})
-    return _dual(primal, tangent)
+    return dual(primal, tangent)
 
 
-def _batch_norm_eval(args, kwargs):
+def batch_norm_eval_rule(call, func, args, kwargs):
+    """Eval-mode batch norm with frozen statistics: the tangent is scaled per channel."""
     bound = dict(zip(_BATCH_NORM_ARGS, args), **kwargs)
     if bound.get("training", False):
         return NotImplemented
@@ -129,26 +109,11 @@ def _batch_norm_eval(args, kwargs):
     mean, var, weight = bound["running_mean"], bound["running_var"], bound.get("weight")
     if not isinstance(x, torch.Tensor) or mean is None or var is None:
         return NotImplemented
-    x_primal, x_tangent = _unpack(x)
-    if x_tangent is None or any(_tangent(t) is not None for t in (mean, var, weight, bound.get("bias"))):
+    x_primal, x_tangent = unpack(x)
+    if x_tangent is None or any(tangent_of(t) is not None for t in (mean, var, weight, bound.get("bias"))):
         return NotImplemented
     primal = F.batch_norm(x_primal, **bound)
     scale = torch.rsqrt(var + bound.get("eps", 1e-5))
     if weight is not None:
         scale = scale * weight
-    return _dual(primal, x_tangent * scale.reshape(1, -1, *([1] * (x_tangent.dim() - 2))))
-
-
-class FrozenLayerRules(TorchFunctionMode):
-    """Inside a forward-AD dual level: one plain call for the primal, one for the tangent."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = NotImplemented
-        if in_functorch_transform():
-            pass  # G runs torch.func.vmap (or another transform) inside: its tensors are not plain duals
-        elif func in _WEIGHTED:
-            result = _weighted(func, args, kwargs)
-        elif func is F.batch_norm:
-            result = _batch_norm_eval(args, kwargs)
-        return func(*args, **kwargs) if result is NotImplemented else result
+    return dual(primal, x_tangent * scale.reshape(1, -1, *([1] * (x_tangent.dim() - 2))))

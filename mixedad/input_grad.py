@@ -4,7 +4,7 @@ from torch.autograd.function import once_differentiable
 
 from mixedad import _checks
 from mixedad._trees import tree_flatten, tree_unflatten
-from mixedad.mixed import contract_f_with_tangent
+from mixedad.contract import contract_f_with_tangent
 from mixedad.state import RngState, Snapshot
 from mixedad.tangents import differentiable_attention, eager, frozen, push_tangent
 

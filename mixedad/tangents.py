@@ -1,24 +1,26 @@
-r"""Pushing tangents forward through a frozen generator G.
+r"""Pushing tangents forward through a frozen generator G: mixedad's front end.
 
-mixedad's front end computes :math:`g = G(z)` and :math:`\dot g = J_G(z)\, v` together. Which
-ops take which path:
+The front end computes :math:`g = G(z)` and :math:`\dot g = J_G(z)\, v` together. What happens
+to each op of G is decided in one place, :mod:`mixedad.op_rules`; this module runs the pass:
 
 - **forward** (the default): forward-mode AD under ``torch.no_grad()``. Outside torch.func
   transforms it uses ``torch.autograd.forward_ad`` (dual tensors), which also runs BatchNorm in
-  train mode (its running statistics are updated once and never become dual); frozen linear,
-  convolution and eval-mode batch-norm layers take the fast rules of
-  :mod:`mixedad._frozen_layers` (two plain calls each; a float32 Linear tangent on the CPU runs
-  on oneDNN). Inside
-  ``torch.func.vmap`` and the other transforms it uses ``torch.func.jvp``, which vmap can batch.
-  Memory: one forward pass holding primal and tangent, flat in G's depth. Attention runs through
-  the math SDPA backend and the nn.MultiheadAttention / TransformerEncoderLayer fast path is
-  switched off during the pass, because the fused kernels have no forward-AD formula.
-- **reverse** (the fallback): the double-VJP trick. With u a zero cotangent, :math:`u \mapsto
-  J_G^\top u` is linear, so :math:`J_G v = \partial_u \langle J_G^\top u, v\rangle` needs two
-  reverse passes and no forward-mode formula, but keeps G's graph: memory grows with depth.
-  ``strategy="auto"`` takes it, with a warning once per op, when an op in G has no forward-AD
-  formula (a custom ``autograd.Function`` without ``jvp``, an ``out=`` kernel, ...) or when G
-  returns an output without a tangent (G detaches its input, or a compiler dropped the tangent).
+  train mode (its running statistics are updated once and never become dual), with
+  :class:`mixedad.op_rules.OpRules` deciding each op's path: fast frozen-layer rules, written
+  formulas, the local double-VJP rule for ops forward mode cannot take (custom
+  ``autograd.Function``\ s without ``jvp`` included), or PyTorch's own formula. When an op's
+  formula raises, the pass is restored and run again with that op on the local rule. Inside
+  ``torch.func.vmap`` and the other transforms it uses ``torch.func.jvp``, which vmap can batch,
+  and PyTorch's formulas only. Memory: one forward pass holding primal and tangent, flat in G's
+  depth. Attention runs through the math SDPA backend and the nn.MultiheadAttention /
+  TransformerEncoderLayer fast path is switched off during the pass, because the fused kernels
+  have no forward-AD formula.
+- **reverse** (the whole-G fallback): the double-VJP trick for all of G, :math:`J_G v =
+  \partial_u \langle J_G^\top u, v\rangle` (:mod:`mixedad._double_vjp`). It needs no forward-mode
+  formula but keeps G's graph: memory grows with depth. ``strategy="auto"`` takes it, with a
+  warning, only where the forward pass cannot go on: inside the caller's own
+  ``forward_ad.dual_level()``, an op that fails inside a torch.func transform, or an output that
+  comes back without a tangent (G detaches its input, or a compiler dropped the tangent).
 
 A ``torch.compile``'d G is replaced by its original eager module or function, with a warning:
 compiled graphs do not carry forward-mode tangents reliably, and compiled dropout draws
@@ -33,9 +35,12 @@ from torch import nn
 from torch.autograd import forward_ad
 from torch.func import functional_call, jvp, vjp
 
-from mixedad._frozen_layers import FrozenLayerRules
+from mixedad._double_vjp import OpRuleError, double_vjp
+from mixedad._function_hook import routing
+from mixedad._local_rule import NeedsWholeG
 from mixedad._transforms import in_functorch_transform
 from mixedad._trees import describe, tree_flatten, tree_unflatten
+from mixedad.op_rules import CheckpointsRunDirectly, OpRules, RestartPass
 from mixedad.state import Snapshot
 
 STRATEGIES = ("auto", "forward", "reverse")
@@ -124,11 +129,11 @@ def _check_outputs(call, g_leaves):
             raise TypeError(f"{call}: expected {where} to be a floating-point tensor, got {describe(leaf)}.")
 
 
-def _forward(call, G, zs, vs, fast_rules=True):
+def _forward(call, G, zs, vs, rules):
     """Forward-mode pass. Returns (primal leaves, tangent leaves or None where lost, spec).
 
-    ``fast_rules`` turns on :mod:`mixedad._frozen_layers` (two plain calls per frozen linear,
-    convolution or eval-mode batch-norm layer instead of PyTorch's general forward-AD formula).
+    ``rules`` is the :class:`mixedad.op_rules.OpRules` dispatch, or None for PyTorch's formulas
+    only (the dispatch is always off inside torch.func transforms).
     """
     if in_functorch_transform():
         try:
@@ -145,10 +150,15 @@ def _forward(call, G, zs, vs, fast_rules=True):
         g_leaves, spec = tree_flatten(g)
         _check_outputs(call, g_leaves)
         return g_leaves, tree_flatten(g_dot)[0], spec
-    rules = FrozenLayerRules() if fast_rules else contextlib.nullcontext()
-    with torch.no_grad(), differentiable_attention(), forward_ad.dual_level():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(differentiable_attention())
+        stack.enter_context(forward_ad.dual_level())
         duals = [forward_ad.make_dual(z.detach(), v.detach()) for z, v in zip(zs, vs)]
-        with rules:
+        if rules is not None:
+            with rules, routing(rules):
+                out = G(*duals)
+        else:
             out = G(*duals)
         out_leaves, spec = tree_flatten(out)
         _check_outputs(call, out_leaves)
@@ -157,36 +167,53 @@ def _forward(call, G, zs, vs, fast_rules=True):
 
 
 def _reverse(call, G, zs, vs):
-    """Double-VJP pass: J v = d/du <J^T u, v> at u = 0. Keeps G's graph (memory grows with depth)."""
+    """Whole-G double VJP: J v = d/du <J^T u, v> at u = 1. Keeps G's graph (memory grows with depth)."""
     if in_functorch_transform():
         out, pullback = vjp(lambda *z: G(*z), *zs)
         g_leaves, spec = tree_flatten(out)
         _check_outputs(call, g_leaves)
-        zeros = tree_unflatten([torch.zeros_like(leaf) for leaf in g_leaves], spec)
-        _, pullback_of_pullback = vjp(pullback, zeros)
+        ones = tree_unflatten([torch.ones_like(leaf) for leaf in g_leaves], spec)
+        _, pullback_of_pullback = vjp(pullback, ones)
         (g_dot,) = pullback_of_pullback(tuple(vs))
         return [leaf.detach() for leaf in g_leaves], tree_flatten(g_dot)[0], spec
-    with torch.enable_grad(), differentiable_attention():
+    with torch.enable_grad(), differentiable_attention(), routing(CheckpointsRunDirectly()):
         z_work = [z.detach().requires_grad_() for z in zs]
         g_leaves, spec = tree_flatten(frozen(G)(*z_work))
         _check_outputs(call, g_leaves)
         live = [i for i, leaf in enumerate(g_leaves) if leaf.requires_grad]
-        us = [torch.zeros_like(g_leaves[i], requires_grad=True) for i in live]
         tangents = [torch.zeros_like(leaf) for leaf in g_leaves]
         if live:
-            pulled = torch.autograd.grad([g_leaves[i] for i in live], z_work, grad_outputs=us,
-                                         create_graph=True, allow_unused=True)
-            pairs = [(p, v) for p, v in zip(pulled, vs) if p is not None and p.requires_grad]
-            if pairs:
-                jv = torch.autograd.grad([p for p, _ in pairs], us, grad_outputs=[v for _, v in pairs],
-                                         allow_unused=True)
-                for i, t in zip(live, jv):
-                    if t is not None:
-                        tangents[i] = t
+            pushed = double_vjp(call, "G", [g_leaves[i] for i in live], z_work, list(vs))
+            for i, t in zip(live, pushed):
+                tangents[i] = t
     return [leaf.detach() for leaf in g_leaves], tangents, spec
 
 
-def push_tangent(call, G, zs, vs, *, strategy="auto"):
+#: How often one call may restart its forward pass to put a newly failed op on the local rule.
+MAX_RESTARTS = 16
+
+
+def _g_name(G):
+    return type(G).__qualname__ if isinstance(G, nn.Module) else getattr(G, "__qualname__", type(G).__name__)
+
+
+def _whole_g(call, G, zs, vs, strategy, reason, recorder):
+    """The whole-G fallback, or an error for strategy='forward'."""
+    if strategy == "forward":
+        raise RuntimeError(
+            f"{call}: {reason}, so mixedad would need the whole-G double-VJP fallback, whose memory "
+            f"grows with G's depth, and strategy='forward' forbids it. Use strategy='auto' (the "
+            f"fallback, with a warning) or 'reverse'."
+        )
+    if recorder is not None:
+        recorder.fallback = reason
+    _warn_once(("whole-G", reason, _g_name(G)),
+               f"mixedad: {reason}; pushing tangents through all of G with two reverse passes instead "
+               f"(the double-VJP trick). Memory now grows with G's depth.")
+    return _reverse(call, G, zs, vs)
+
+
+def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None):
     r"""Evaluate G at z and push the tangent v through it.
 
     .. math::
@@ -197,48 +224,48 @@ def push_tangent(call, G, zs, vs, *, strategy="auto"):
         call: the public call's name, for messages.
         G: callable taking the tensors of ``zs`` positionally.
         zs, vs: sequences of primal tensors and matching tangents.
-        strategy: "auto", "forward" or "reverse" (see the module docstring).
+        strategy: "auto", "forward" or "reverse" (see the module docstring). "forward" allows
+            every per-op rule (all flat in memory) and refuses only the whole-G fallback.
+        recorder: None, or a :class:`mixedad.op_rules.PathRecorder` to count which op took
+            which path.
 
     Returns:
         ``(g_leaves, tangent_leaves, spec)``: G's flattened output, the matching tangents
         (detached, no graph), and the pytree spec of G's output.
     """
     if strategy == "reverse":
+        if recorder is not None:
+            recorder.fallback = "strategy='reverse'"
         return _reverse(call, G, zs, vs)
     if forward_ad._current_level >= 0 and not in_functorch_transform():
         # PyTorch has one forward-AD level: inside the caller's own dual_level() neither dual
         # tensors nor torch.func.jvp can open another.
-        if strategy == "forward":
-            raise RuntimeError(
-                f"{call}: called inside an open torch.autograd.forward_ad.dual_level(), and PyTorch "
-                f"cannot nest forward-mode AD, so strategy='forward' cannot run. Call mixedad outside "
-                f"the dual level, or use strategy='auto' or 'reverse' (two reverse passes; memory grows "
-                f"with G's depth)."
-            )
-        _warn_once(("nested",),
-                   "mixedad: called inside an open forward_ad.dual_level(); PyTorch cannot nest forward-mode "
-                   "AD, so tangents are pushed through G with two reverse passes instead (the double-VJP "
-                   "trick). Memory now grows with G's depth.")
-        return _reverse(call, G, zs, vs)
-    snapshot = Snapshot(G) if strategy == "auto" else None
-    try:
-        with snapshot.watching() if snapshot is not None else contextlib.nullcontext():
-            g_leaves, tangents, spec = _forward(call, G, zs, vs)
-    except (RuntimeError, NotImplementedError) as error:
-        op = unsupported_op(error)
-        if op is None:
+        return _whole_g(call, G, zs, vs, strategy, "called inside an open forward_ad.dual_level(), and PyTorch cannot nest "
+                        "forward-mode AD", recorder)
+    snapshot = Snapshot(G)
+    rules = OpRules(call, recorder)
+    for _ in range(MAX_RESTARTS + 1):
+        try:
+            with snapshot.watching():
+                g_leaves, tangents, spec = _forward(call, G, zs, vs, rules)
+            break
+        except RestartPass:
+            snapshot.restore()  # the op that failed is now on the local rule
+        except OpRuleError:
             raise
-        if strategy == "forward":
-            raise RuntimeError(
-                f"{call}: G uses {op}, which has no forward-mode AD formula, and strategy='forward' "
-                f"forbids the fallback. Use strategy='auto' (double-VJP fallback, memory grows with G's "
-                f"depth), or give the op a forward-AD formula."
-            ) from error
+        except NeedsWholeG as error:
+            snapshot.restore()
+            return _whole_g(call, G, zs, vs, strategy, str(error), recorder)
+        except (RuntimeError, NotImplementedError) as error:
+            op = unsupported_op(error)
+            if op is None:
+                raise
+            snapshot.restore()
+            return _whole_g(call, G, zs, vs, strategy, f"{op} has no forward-mode AD formula here", recorder)
+    else:
         snapshot.restore()
-        _warn_once(("op", op),
-                   f"mixedad: {op} has no forward-mode AD formula; pushing tangents through G with two "
-                   f"reverse passes instead (the double-VJP trick). Memory now grows with G's depth.")
-        return _reverse(call, G, zs, vs)
+        return _whole_g(call, G, zs, vs, strategy, f"more than {MAX_RESTARTS} ops of G needed the local rule "
+                        f"in one call", recorder)
     lost = [i for i, t in enumerate(tangents) if t is None]
     if not lost:
         return g_leaves, tangents, spec
@@ -252,8 +279,11 @@ def push_tangent(call, G, zs, vs, *, strategy="auto"):
     snapshot.restore()
     g_leaves, tangents, spec = _reverse(call, G, zs, vs)
     if any(tangents[i].ne(0).any() for i in lost):
-        _warn_once(("lost", id(G)),
-                   f"mixedad: {where} lost its forward-mode tangent although it depends on z (detach() "
-                   f"inside G, a compiled graph, or a custom op?); computed it with two reverse passes "
-                   f"instead. Memory now grows with G's depth.")
+        reason = (f"{where} lost its forward-mode tangent although it depends on z (detach() inside G, a "
+                  f"compiled graph, or a custom op?)")
+        if recorder is not None:
+            recorder.fallback = reason
+        _warn_once(("lost", _g_name(G)),
+                   f"mixedad: {reason}; computed it with two reverse passes instead. Memory now grows "
+                   f"with G's depth.")
     return g_leaves, tangents, spec

@@ -56,23 +56,13 @@ def data(seed=0):
     return tuple(torch.randn(4, 6, generator=gen, dtype=F64) for _ in range(3))
 
 
-def test_custom_function_without_jvp_auto_falls_back_and_warns_once():
+@pytest.mark.parametrize("strategy", ["auto", "forward"])
+def test_custom_function_without_jvp_takes_the_local_rule_silently(strategy):
+    """No whole-G fallback and no warning: the local rule is exact and flat (warnings are errors here)."""
     G = with_custom_op()
     z, y, v = data()
-    with pytest.warns(RuntimeWarning, match="custom autograd.Function without a jvp.*double-VJP.*grows with G's depth"):
-        result = mixedad.mixed_grad(f, G, z, y, v)
+    result = mixedad.mixed_grad(f, G, z, y, v, strategy=strategy)
     assert_close(result, double_backward_mixed_grad(f, G, z, y, v))
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        mixedad.mixed_grad(f, G, z, y, v)  # second call: no second warning
-
-
-def test_custom_function_strategy_forward_raises():
-    z, y, v = data()
-    with pytest.raises(RuntimeError, match=r"mixed_grad\(f, G, z, y\): G uses a custom autograd.Function without a jvp .*strategy='forward'"):
-        mixedad.mixed_grad(f, with_custom_op(), z, y, v, strategy="forward")
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer_sdpa", "stylegan"])
@@ -85,16 +75,15 @@ def test_strategy_reverse_matches_without_warning(name):
     assert_close(mixedad.mixed_grad(f, G, z, y, v, strategy="reverse"), double_backward_mixed_grad(f, G, z, y, v))
 
 
-def test_fallback_restores_state_before_rerunning():
-    """A failed forward attempt in train mode must not update BatchNorm twice or shift dropout."""
+def test_local_rule_in_train_mode_sees_the_state_of_one_plain_forward():
+    """Dropout masks and BatchNorm statistics with a custom op on the local rule: as one plain forward."""
     G = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.3), Apply(SinWithoutJvp.apply),
                       nn.Linear(6, 6)).to(F64).train()
     plain = __import__("copy").deepcopy(G)
     ref_G = __import__("copy").deepcopy(G)
     z, y, v = data()
     torch.manual_seed(3)
-    with pytest.warns(RuntimeWarning):
-        ours = mixedad.mixed_grad(f, G, z, y, v)
+    ours = mixedad.mixed_grad(f, G, z, y, v)
     rng = torch.get_rng_state()
     torch.manual_seed(3)
     expected = double_backward_mixed_grad(f, ref_G, z, y, v)
@@ -107,7 +96,7 @@ def test_fallback_restores_state_before_rerunning():
     assert int(G[1].num_batches_tracked) == 1
 
 
-def test_input_grad_backward_falls_back_too():
+def test_input_grad_backward_takes_the_local_rule_too():
     G = with_custom_op()
     z, y, _ = data()
     y = y[0]  # shared by every latent code
@@ -118,9 +107,7 @@ def test_input_grad_backward_falls_back_too():
         (make(f, G, z, y_, chunk_size=2) @ x).pow(2).sum().backward()
         return y_.grad
 
-    with pytest.warns(RuntimeWarning, match="custom autograd.Function"):
-        ours = run(mixedad.input_grad)
-    assert_close(ours, run(double_backward_input_grad))
+    assert_close(run(mixedad.input_grad), run(double_backward_input_grad))
 
 
 def drops_tangent():
@@ -231,7 +218,7 @@ def test_inside_callers_dual_level_auto_falls_back_to_reverse():
             ours = mixedad.mixed_grad(f, G, z, y, v)
         y_ours = y[0].clone().requires_grad_()
         (mixedad.input_grad(f, G, z, y_ours, chunk_size=3) * x).sum().backward()
-        with pytest.raises(RuntimeError, match="cannot nest forward-mode AD, so strategy='forward'"):
+        with pytest.raises(RuntimeError, match="cannot nest forward-mode AD.*strategy='forward' forbids it"):
             mixedad.mixed_grad(f, G, z, y, v, strategy="forward")
     assert_close(ours, double_backward_mixed_grad(f, G, z, y, v))
     assert_close(y_ours.grad, y_naive.grad)

@@ -3,6 +3,7 @@ import pytest
 import torch
 from torch import nn
 
+from mixedad.op_rules import OpRules
 from mixedad.tangents import _forward
 from mixedad.testing import assert_close
 
@@ -52,9 +53,9 @@ def test_fast_rules_match_general_forward_ad(name):
             m.running_var.uniform_(0.5, 2.0)
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     x, t = torch.randn(shape, dtype=F64), torch.randn(shape, dtype=F64)
-    fast = _forward("test", layer, (x,), (t,), fast_rules=True)
+    fast = _forward("test", layer, (x,), (t,), OpRules("test"))
     layer.load_state_dict(state)
-    general = _forward("test", layer, (x,), (t,), fast_rules=False)
+    general = _forward("test", layer, (x,), (t,), None)
     assert_close(fast[0], general[0], rtol=1e-12)
     assert_close(fast[1], general[1], rtol=1e-12)
     assert fast[1][0].abs().max() > 0
@@ -70,7 +71,7 @@ def test_weights_with_tangents_take_general_forward_ad():
         return torch.nn.functional.conv2d(torch.ones(1, 3, 5, 5, dtype=F64), base * z.sum(), padding=1)
 
     z, v = torch.randn(2, dtype=F64), torch.randn(2, dtype=F64)
-    fast = _forward("test", G, (z,), (v,), fast_rules=True)
+    fast = _forward("test", G, (z,), (v,), OpRules("test"))
     with forward_ad.dual_level():
         expected = forward_ad.unpack_dual(G(forward_ad.make_dual(z, v))).tangent
     assert_close(fast[1][0], expected)
@@ -110,8 +111,8 @@ def test_float32_linear_tangent_takes_onednn_and_matches(layout, onednn_spy):
     x = torch.randn(t.shape)
     with torch.no_grad():
         primal_plain = layer(x)
-    primal, tangent, _ = _forward("test", layer, (x,), (t,), fast_rules=True)
-    _, general, _ = _forward("test", layer, (x,), (t,), fast_rules=False)
+    primal, tangent, _ = _forward("test", layer, (x,), (t,), OpRules("test"))
+    _, general, _ = _forward("test", layer, (x,), (t,), None)
     assert torch.equal(primal[0], primal_plain)  # the primal is the user's own call, bit for bit
     assert_close(tangent[0], general[0], rtol=1e-5)
     assert tangent[0].shape == t.shape[:-1] + (5,)
@@ -124,11 +125,11 @@ def test_float64_and_disabled_onednn_take_the_blas(onednn_spy):
     _, calls = onednn_spy
     layer = nn.Linear(6, 5)
     x, t = torch.randn(4, 6), torch.randn(4, 6)
-    _forward("test", layer.double(), (x.double(),), (t.double(),))
+    _forward("test", layer.double(), (x.double(),), (t.double(),), OpRules("test"))
     assert calls == []
     layer.float()
     with _mkldnn_off():
-        _, tangent, _ = _forward("test", layer, (x,), (t,))
+        _, tangent, _ = _forward("test", layer, (x,), (t,), OpRules("test"))
     assert calls == []
     assert torch.equal(tangent[0], torch.nn.functional.linear(t, layer.weight).detach())
 
@@ -174,7 +175,7 @@ def test_cpu_autocast_keeps_tangent_and_primal_in_one_dtype(onednn_spy):
     G = zoo.mlp(3, 16)
     z, v = torch.randn(4, 16), torch.randn(4, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        primal, tangent, _ = _forward("test", G, (z,), (v,))
+        primal, tangent, _ = _forward("test", G, (z,), (v,), OpRules("test"))
     assert calls == []
     assert primal[0].dtype == tangent[0].dtype == torch.bfloat16
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad(), torch.autograd.forward_ad.dual_level():
@@ -218,7 +219,7 @@ def test_generator_that_vmaps_inside_takes_general_forward_ad():
         return torch.func.vmap(lin)(z)
 
     z, t = torch.randn(4, 6, dtype=F64), torch.randn(4, 6, dtype=F64)
-    fast = _forward("test", G, (z,), (t,), fast_rules=True)
-    general = _forward("test", G, (z,), (t,), fast_rules=False)
+    fast = _forward("test", G, (z,), (t,), OpRules("test"))
+    general = _forward("test", G, (z,), (t,), None)
     assert_close(fast[1][0], general[1][0], rtol=1e-12)
     assert_close(fast[1][0], torch.nn.functional.linear(t, lin.weight).detach(), rtol=1e-12)

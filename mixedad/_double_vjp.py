@@ -1,0 +1,98 @@
+r"""The double-VJP trick: a Jacobian-vector product from two reverse passes.
+
+.. math::
+
+    J v = \partial_u \big\langle J^\top u,\ v \big\rangle
+
+:math:`u \mapsto J^\top u` is linear, so the derivative in u is J at every u; mixedad evaluates
+it at u = 1 (all ones), never at u = 0, where some backward formulas are singular (PyTorch's
+``logcumsumexp`` backward takes ``log|u|``). Used for a single op by the local rule
+(:mod:`mixedad._local_rule`) and for all of G by the whole-G fallback in
+:mod:`mixedad.tangents`.
+
+Reverse mode is the meaning. Where the second pass cannot reach u, the backward of some op is
+not differentiable, and double backward through it would either raise or silently lose that
+path; mixedad raises :class:`OpRuleError` instead of returning a number.
+"""
+import torch
+
+
+class OpRuleError(RuntimeError):
+    """An op whose tangent mixedad can compute neither by forward AD nor by reverse mode."""
+
+
+def _once_differentiable_node(roots):
+    """The name of a ``@once_differentiable`` error node in the graphs of ``roots``, or None."""
+    seen, stack = set(), [t.grad_fn for t in roots]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ in ("Error", "DelayedError"):
+            return type(node).__name__
+        stack.extend(n for n, _ in node.next_functions)
+    return None
+
+
+def double_vjp(call, name, outputs, inputs, tangents):
+    r"""Tangents of ``outputs`` along ``tangents`` of ``inputs``, by two reverse passes.
+
+    .. math::
+
+        \dot o_j = \partial_{u_j} \sum_i \Big\langle \sum_k J_{ki}^\top u_k,\ \dot x_i \Big\rangle
+        \Big|_{u = 1}
+
+    Args:
+        call: the public call's name, for messages.
+        name: what the outputs come from (an op, a custom Function, "G"), for messages.
+        outputs: tensors that require grad, computed from ``inputs`` with grad enabled.
+        inputs: tensors that require grad (leaves of the graph that matters).
+        tangents: one tangent per input.
+
+    Returns:
+        One tensor per output: its tangent (zeros where the output does not depend on the inputs).
+
+    Raises:
+        OpRuleError: the backward of something between inputs and outputs cannot itself be
+            differentiated (``@once_differentiable``, or a backward computed outside autograd),
+            or has no derivative formula.
+    """
+    us = [torch.ones_like(o, requires_grad=True) for o in outputs]
+    try:
+        pulled = torch.autograd.grad(outputs, inputs, grad_outputs=us, create_graph=True, allow_unused=True)
+    except RuntimeError as error:
+        raise OpRuleError(
+            f"{call}: {name} has no usable forward-mode formula, and its backward failed too, so "
+            f"mixedad cannot push a tangent through it ({error}). Give it a forward-mode rule (a jvp "
+            f"staticmethod for a custom autograd.Function)."
+        ) from error
+    pairs = [(p, t) for p, t in zip(pulled, tangents) if p is not None]
+    live = [(p, t) for p, t in pairs if p.requires_grad]
+    for p, _ in pairs:
+        if not p.requires_grad and bool(p.ne(0).any()):
+            raise OpRuleError(
+                f"{call}: {name} has no forward-mode formula, and its backward is not differentiable "
+                f"in its incoming gradient (it is computed outside autograd, under no_grad, or "
+                f"detached), so double backward through it would silently lose this path. Give it a "
+                f"forward-mode rule: for a custom autograd.Function, a jvp staticmethod."
+            )
+    if _once_differentiable_node([p for p, _ in live]) is not None:
+        raise OpRuleError(
+            f"{call}: {name} has no jvp staticmethod and its backward is marked @once_differentiable, "
+            f"so its Jacobian-vector product can be computed neither by forward mode nor by "
+            f"differentiating its backward (plain double backward raises here too). Add a jvp "
+            f"staticmethod to it: jvp(ctx, *input_tangents) returning the output tangents."
+        )
+    results = [None] * len(outputs)
+    if live:
+        try:
+            results = torch.autograd.grad([p for p, _ in live], us, grad_outputs=[t for _, t in live],
+                                          allow_unused=True)
+        except RuntimeError as error:
+            raise OpRuleError(
+                f"{call}: {name} has no usable forward-mode formula, and its backward cannot be "
+                f"differentiated ({error}). Give it a forward-mode rule (a jvp staticmethod for a "
+                f"custom autograd.Function)."
+            ) from error
+    return [torch.zeros_like(o) if r is None else r for r, o in zip(results, outputs)]

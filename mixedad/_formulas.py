@@ -1,0 +1,99 @@
+r"""Tangent formulas written out, for ops whose PyTorch formula is missing or unusable.
+
+These are exact and cheaper than the local double-VJP rule, because they need no backward
+pass. Each takes the user's own call for the primal, so ``G(z)`` is what a plain forward
+computes, and returns NotImplemented where it does not apply (the op then takes the next path
+in :mod:`mixedad.op_rules`).
+
+**cdist.** ``torch.cdist`` has no forward-AD formula (``_cdist_forward`` and
+``_euclidean_dist``), and on 25 rows or fewer its backward ``_cdist_backward`` cannot itself be
+differentiated, so the local rule cannot take it either. With :math:`d_{ij} = \lVert a_i - b_j
+\rVert_p`:
+
+.. math::
+
+    p = 2\colon\quad \dot d_{ij} = \frac{\langle a_i - b_j,\ \dot a_i - \dot b_j\rangle}{d_{ij}}
+    = \frac{\langle a_i, \dot a_i\rangle - \langle \dot a_i, b_j\rangle - \langle a_i, \dot b_j\rangle
+            + \langle b_j, \dot b_j\rangle}{d_{ij}}
+
+four matrix products and no :math:`N \times M \times D` difference tensor; 0 where
+:math:`d_{ij} = 0`, as PyTorch's backward gives. Other p go through forward AD of
+``torch.linalg.vector_norm`` on the pairwise differences, which holds the
+:math:`N \times M \times D` differences while the op runs.
+
+**group_norm.** PyTorch's formula raises "view size is not compatible with input tensor's size
+and stride" on channels-last and other non-contiguous inputs (diffusers' UNet2DModel). With
+:math:`\hat x = (x - \mu)\,r` over each group, :math:`r = 1/\sqrt{\sigma^2 + \epsilon}`:
+
+.. math::
+
+    \dot y = \gamma\, r \Big(\dot x - \overline{\dot x} - \hat x\, \overline{\hat x \dot x}\Big)
+
+where the bars are means over the group. Applies when weight and bias carry no tangent.
+"""
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from mixedad._duals import dual, tangent_of, unpack
+
+_CDIST_ARGS = ("x1", "x2", "p", "compute_mode")
+_GROUP_NORM_ARGS = tuple(inspect.signature(F.group_norm).parameters)  # input, num_groups, weight, bias, eps
+
+
+def _matches_primal(tangent, primal):
+    return tangent if tangent.shape == primal.shape else tangent.expand(primal.shape).contiguous()
+
+
+def cdist_rule(call, func, args, kwargs):
+    """``torch.cdist(x1, x2, p, compute_mode)``: the primal call, and the tangent written out."""
+    bound = dict(zip(_CDIST_ARGS, args), **kwargs)
+    a, b = bound["x1"], bound["x2"]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return NotImplemented
+    (a, da), (b, db) = unpack(a), unpack(b)
+    if da is None and db is None:
+        return NotImplemented
+    p = float(bound.get("p", 2.0))
+    primal = func(a, b, **{k: v for k, v in bound.items() if k not in ("x1", "x2")})
+    if p == 2.0:
+        tangent = 0
+        if da is not None:
+            tangent = (a * da).sum(-1, keepdim=True) - da @ b.mT
+        if db is not None:
+            tangent = tangent - a @ db.mT + (b * db).sum(-1).unsqueeze(-2)
+        tangent = torch.where(primal == 0, torch.zeros_like(primal), tangent / primal)
+    else:
+        diff = a.unsqueeze(-2) - b.unsqueeze(-3)
+        zeros = torch.zeros((), dtype=diff.dtype, device=diff.device)
+        d_diff = (zeros if da is None else da.unsqueeze(-2)) - (zeros if db is None else db.unsqueeze(-3))
+        norm = torch.linalg.vector_norm(dual(diff, d_diff.expand(diff.shape)), ord=p, dim=-1)
+        tangent = unpack(norm)[1]
+    return dual(primal, _matches_primal(tangent, primal))
+
+
+def group_norm_rule(call, func, args, kwargs):
+    """``F.group_norm`` with frozen affine parameters, on any memory layout."""
+    bound = dict(zip(_GROUP_NORM_ARGS, args), **kwargs)
+    x = bound.get("input")
+    if not isinstance(x, torch.Tensor):
+        return NotImplemented
+    x, dx = unpack(x)
+    weight, bias = bound.get("weight"), bound.get("bias")
+    if dx is None or tangent_of(weight) is not None or tangent_of(bias) is not None:
+        return NotImplemented
+    primal = func(x, **{k: v for k, v in bound.items() if k != "input"})
+    if x.numel() == 0:
+        return dual(primal, torch.zeros_like(primal))
+    groups, eps = bound["num_groups"], bound.get("eps", 1e-5)
+    shape = (x.shape[0], groups, -1)
+    xg, dxg = x.reshape(shape), dx.reshape(shape)
+    mean = xg.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(xg.var(-1, unbiased=False, keepdim=True) + eps)
+    x_hat = (xg - mean) * rstd
+    d_hat = rstd * (dxg - dxg.mean(-1, keepdim=True) - x_hat * (x_hat * dxg).mean(-1, keepdim=True))
+    tangent = d_hat.reshape(x.shape)
+    if weight is not None:
+        tangent = tangent * weight.reshape(1, -1, *([1] * (x.dim() - 2)))
+    return dual(primal, tangent)

@@ -1,0 +1,68 @@
+r"""Differentiating the cheap f twice: mixedad's reverse-mode back end.
+
+Given :math:`g = G(z)` and the tangent :math:`\dot g = J_G(z)\, v` from the front end
+(:mod:`mixedad.tangents`), the mixed derivative is
+
+.. math::
+
+    \partial_y \big\langle \nabla_g f(y, g),\ \dot g \big\rangle
+    = \Big(\frac{\partial^2 f}{\partial g\, \partial y}\Big)^{\!\top} J_G(z)\, v
+
+Only f's graph is built, never G's. Memory: f's graph and its gradient's graph, about a small
+multiple of G's output.
+"""
+import torch
+from torch.func import grad, jvp
+
+from mixedad import _checks
+from mixedad._transforms import in_functorch_transform
+from mixedad._trees import tree_unflatten
+
+
+def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, *, create_graph):
+    r"""Reverse-mode back end: :math:`\partial_y \langle \nabla_g f(y, g), \dot g\rangle`.
+
+    Only f's (cheap) graph is ever built. Neither path touches the requires_grad flags of y, and
+    both work under an outer ``torch.no_grad()``. Returns a list of tensors, one per leaf of y:
+    zeros for leaves the result does not depend on.
+
+    Outside torch.func transforms: ``torch.autograd.grad`` of f once with create_graph, then
+    once more along :math:`\dot g`. Inside them (``torch.func.vmap`` over mixed_grad, say), where
+    ``torch.autograd.grad`` cannot be batched: the directional derivative of f along
+    :math:`\dot g` by ``torch.func.jvp`` and its gradient in y by ``torch.func.grad``.
+    """
+    if in_functorch_transform():
+        return _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph)
+    with torch.enable_grad():
+        # Aliases of y that require grad; a leaf that already does is used as is, so that
+        # create_graph=True connects the result to its history.
+        y_work = [leaf if leaf.requires_grad else leaf.detach().requires_grad_() for leaf in y_leaves]
+        g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]
+        out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_work, g_spec))
+        _checks.check_scalar_output(call, out)
+        out = out.reshape(())
+        df_dg = torch.autograd.grad(out, g_work, create_graph=True, allow_unused=True) if out.requires_grad else []
+        pairs = [(d, t) for d, t in zip(df_dg, tangent_leaves) if d is not None and d.requires_grad]
+        grads = [None] * len(y_work)
+        if pairs:
+            grads = torch.autograd.grad([d for d, _ in pairs], y_work, grad_outputs=[t for _, t in pairs],
+                                        create_graph=create_graph, allow_unused=True)
+    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, y_leaves)]
+
+
+def _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph):
+    g_primals, g_tangents = tuple(g_leaves), tuple(tangent_leaves)
+
+    def directional(y_work):
+        y_tree = tree_unflatten(list(y_work), y_spec)
+
+        def f_of_g(*g_work):
+            out = f(y_tree, tree_unflatten(list(g_work), g_spec))
+            _checks.check_scalar_output(call, out)
+            return out.reshape(())
+
+        return jvp(f_of_g, g_primals, g_tangents)[1]
+
+    grads = grad(directional)(tuple(y_leaves))
+    # torch.func.grad's result stays connected to the outer autograd graph of y's leaves.
+    return [g if create_graph else g.detach() for g in grads]

@@ -1,0 +1,266 @@
+r"""Per-op tangent rules: what happens to each op of G in mixedad's forward pass.
+
+mixedad pushes :math:`\dot g = J_G(z)\, v` through G one op at a time. Every op that receives a
+tangent takes one of these paths, decided by one dispatch (:meth:`OpRules.__torch_function__`
+for torch functions, :meth:`OpRules.custom_function` for custom ``autograd.Function``\ s):
+
+=====================  ======================================================================
+path                   used for
+=====================  ======================================================================
+``frozen layer``       ``F.linear``, ``F.conv{1,2,3}d``, ``F.conv_transpose{1,2,3}d`` and
+                       eval-mode ``F.batch_norm`` whose weights carry no tangent: one plain
+                       call for the primal, one for the tangent (:mod:`mixedad._frozen_layers`)
+``written formula``    ``torch.cdist`` and ``F.group_norm``, whose PyTorch formulas are missing
+                       or raise on channels-last input (:mod:`mixedad._formulas`)
+``local double-VJP``   ops in :data:`KNOWN_WRONG` and :data:`NO_FORMULA`, custom Functions
+                       without ``jvp``, and any op whose forward-AD formula raises:
+                       :math:`J_{op} v = \partial_u \langle J_{op}^\top u, v\rangle` for that op
+                       alone (:mod:`mixedad._local_rule`)
+``forward AD``         everything else: PyTorch's own formula; custom Functions with ``jvp``
+``whole-G fallback``   the last resort, in :mod:`mixedad.tangents`: two reverse passes through
+                       all of G. Memory grows with G's depth; it always warns
+=====================  ======================================================================
+
+The first four keep memory flat in G's depth. An op whose formula raises is found at run time:
+the pass stops, G's random state and buffers are restored, the op is remembered (per input
+signature: dtypes, shapes, strides) and the pass starts again, with that op on the local rule
+from then on. A reentrant ``torch.utils.checkpoint`` block runs directly: mixedad's pass builds
+no reverse graph through G, so there is nothing to recompute.
+
+Only calls that pass through ``__torch_function__`` at the top level are seen: ops inside a torch
+function that has been let through (a Python composite of torch) run there as plain ops.
+:func:`mixedad.tangent_report` shows, for a given G and z, which op took which path.
+"""
+import contextlib
+import functools
+import threading
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import Function
+from torch.overrides import TorchFunctionMode, _pop_mode_temporarily, resolve_name
+from torch.utils.checkpoint import CheckpointFunction
+
+from mixedad._double_vjp import OpRuleError
+from mixedad._duals import any_tangent
+from mixedad._formulas import cdist_rule, group_norm_rule
+from mixedad._frozen_layers import WEIGHTED, batch_norm_eval_rule, weighted_rule
+from mixedad._function_hook import original_apply
+from mixedad._local_rule import local_jvp
+from mixedad._transforms import in_functorch_transform
+from mixedad._trees import tree_flatten
+
+FROZEN, FORMULA, LOCAL, FORWARD, WHOLE_G = (
+    "frozen layer", "written formula", "local double-VJP", "forward AD", "whole-G fallback")
+#: Every path, in the order the report lists them.
+PATHS = (FROZEN, FORMULA, LOCAL, FORWARD, WHOLE_G)
+
+#: Torch ops whose forward-AD formula in PyTorch is known to be silently wrong: they take the
+#: local rule although forward AD "works". name: (upstream issue, what goes wrong). The umbrella
+#: issue is pytorch#198017. Checked and found consistent, so not listed: ``hardsigmoid``, whose
+#: float64 derivative is float32(1/6) (3e-8 off) in forward and reverse mode alike; mixedad
+#: follows reverse mode, which is the meaning.
+KNOWN_WRONG = {
+    "cholesky_inverse": ("pytorch#196682", "wrong tangent for a non-diagonal factor (relative error 0.45)"),
+    "cholesky_solve": ("pytorch#196694", "wrong tangent for a batched factor with a broadcast right-hand side "
+                                         "(relative error 113)"),
+    "logcumsumexp": ("pytorch#196705", "wrong tangent for logits far apart (0.48 where 1.0 is right)"),
+}
+
+#: Torch ops with no forward-AD formula in PyTorch (torch 2.13), sent straight to the local rule
+#: instead of being found by a failed first attempt. ``torch.cdist`` has a written formula.
+NO_FORMULA = ("cholesky", "ormqr", "index_reduce", "grid_sampler", "grid_sampler_2d", "grid_sampler_3d")
+
+
+class Rule(NamedTuple):
+    """One path for one op: ``apply(call, func, args, kwargs)`` returns the result or NotImplemented."""
+
+    path: str
+    apply: Callable
+    reason: str
+
+
+class RestartPass(Exception):
+    """An op's forward-AD formula raised; the pass restarts with that op on the local rule."""
+
+    def __init__(self, op, error):
+        super().__init__(f"{op}: {error}")
+        self.op, self.error = op, error
+
+
+@functools.lru_cache(maxsize=None)
+def op_name(func):
+    """A readable name for a torch function: ``torch.nn.functional.linear``, ``torch.Tensor.add``."""
+    return resolve_name(func) or getattr(func, "__qualname__", None) or repr(func)
+
+
+def _local(call, func, args, kwargs):
+    return local_jvp(call, op_name(func), func, args, kwargs)
+
+
+def _torch_funcs(name):
+    """The torch functions called ``name``: ``torch.name``, ``Tensor.name`` and ``Tensor.name_``."""
+    found = [getattr(torch, name, None), getattr(torch.Tensor, name, None), getattr(torch.Tensor, name + "_", None)]
+    return [f for f in found if f is not None]
+
+
+def _build_table():
+    table = {func: Rule(FROZEN, weighted_rule, "frozen weights") for func in WEIGHTED}
+    table[F.batch_norm] = Rule(FROZEN, batch_norm_eval_rule, "eval-mode statistics")
+    table[torch.cdist] = Rule(FORMULA, cdist_rule, "no forward-AD formula; its backward is not differentiable")
+    table[F.group_norm] = Rule(FORMULA, group_norm_rule, "PyTorch's formula raises on non-contiguous input")
+    for name, (issue, what) in KNOWN_WRONG.items():
+        for func in _torch_funcs(name):
+            table[func] = Rule(LOCAL, _local, f"known-wrong formula ({issue})")
+    for name in NO_FORMULA:
+        for func in _torch_funcs(name):
+            table[func] = Rule(LOCAL, _local, "no forward-AD formula")
+    table[F.grid_sample] = Rule(LOCAL, _local, "no forward-AD formula")
+    return table
+
+
+#: The one table: torch function -> Rule. Ops not in it take plain forward AD.
+TABLE = _build_table()
+
+# Ops whose formula raised at run time: func -> {input signature: reason}. Shared by every pass
+# in the process, so each op and signature costs one restarted pass at most.
+_FAILED = {}
+_FAILED_LOCK = threading.Lock()
+_MAX_FAILED_SIGNATURES = 256
+
+
+def _signature(args, kwargs):
+    leaves, spec = tree_flatten((args, kwargs))
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((leaf.dtype, leaf.device.type, tuple(leaf.shape), tuple(leaf.stride()) if leaf.layout == torch.strided else None))
+        else:
+            try:
+                hash(leaf)
+                parts.append(leaf)
+            except TypeError:
+                parts.append(type(leaf).__name__)
+    return (str(spec), tuple(parts))
+
+
+def _remember_failure(func, args, kwargs, error):
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if len(reason) > 120:
+        reason = reason[:117] + "..."
+    with _FAILED_LOCK:
+        seen = _FAILED.setdefault(func, {})
+        if len(seen) < _MAX_FAILED_SIGNATURES:
+            seen[_signature(args, kwargs)] = f"forward-AD formula raised: {reason}"
+
+
+def _failed_rule(func, args, kwargs):
+    reason = _FAILED[func].get(_signature(args, kwargs))
+    return None if reason is None else Rule(LOCAL, _local, reason)
+
+
+def forget_failures():
+    """Clear the process-wide memory of ops whose forward-AD formula raised (for tests)."""
+    with _FAILED_LOCK:
+        _FAILED.clear()
+
+
+def _has_own_jvp(cls):
+    return cls.jvp is not Function.jvp
+
+
+def _run_checkpoint_directly(args):
+    run_function, _preserve_rng_state, *inputs = args
+    return run_function(*inputs)
+
+
+class OpRules(TorchFunctionMode):
+    """The dispatch: inside mixedad's forward-AD pass, sends each op to its path.
+
+    Args:
+        call: the public call's name, for messages.
+        recorder: None, or a :class:`PathRecorder` that counts which op took which path.
+    """
+
+    def __init__(self, call, recorder=None):
+        super().__init__()
+        self.call, self.recorder = call, recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if in_functorch_transform():
+            return func(*args, **kwargs)  # G runs torch.func.vmap (or another transform) inside
+        rule = TABLE.get(func)
+        if rule is None and func in _FAILED:
+            rule = _failed_rule(func, args, kwargs)
+        if rule is not None:
+            result = rule.apply(self.call, func, args, kwargs)
+            if result is not NotImplemented:
+                if self.recorder is not None:
+                    self.recorder.add(op_name(func), rule.path, rule.reason)
+                return result
+        try:
+            result = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as error:
+            if isinstance(error, OpRuleError) or not any_tangent((args, kwargs)):
+                raise
+            _remember_failure(func, args, kwargs, error)
+            raise RestartPass(op_name(func), error) from error
+        if self.recorder is not None and any_tangent(result):
+            self.recorder.add(op_name(func), FORWARD, "PyTorch's formula")
+        return result
+
+    @contextlib.contextmanager
+    def _popped(self):
+        """This mode off for the block, when it is the innermost torch function mode."""
+        depth = torch._C._len_torch_function_stack()
+        if depth and torch._C._get_function_stack_at(depth - 1) is self:
+            with _pop_mode_temporarily():
+                yield
+        else:
+            yield
+
+    def custom_function(self, cls, args, kwargs):
+        """The dispatch for ``cls.apply(*args, **kwargs)``, a custom autograd.Function."""
+        name = f"{cls.__qualname__} (custom Function)"
+        if cls is CheckpointFunction:
+            if self.recorder is not None:
+                self.recorder.add("torch.utils.checkpoint (reentrant)", FORWARD, "run directly: no recomputation needed")
+            return _run_checkpoint_directly(args)
+        if not _has_own_jvp(cls):
+            with self._popped():  # the op runs plainly, as it does inside __torch_function__
+                result = local_jvp(self.call, name, functools.partial(original_apply, cls), args, kwargs)
+            if result is not NotImplemented:
+                if self.recorder is not None:
+                    self.recorder.add(name, LOCAL, "custom Function without jvp")
+                return result
+        result = original_apply(cls, *args, **kwargs)
+        if self.recorder is not None and any_tangent(result):
+            self.recorder.add(name, FORWARD, "its own jvp")
+        return result
+
+
+class CheckpointsRunDirectly:
+    """``Function.apply`` handler for reverse passes: reentrant checkpoints run directly.
+
+    A reentrant checkpoint refuses ``torch.autograd.grad``; run directly, the block records an
+    ordinary graph (the reverse passes keep G's graph anyway). Other Functions are untouched.
+    """
+
+    def custom_function(self, cls, args, kwargs):
+        if cls is CheckpointFunction:
+            return _run_checkpoint_directly(args)
+        return original_apply(cls, *args, **kwargs)
+
+
+class PathRecorder:
+    """Counts, per op, the calls that took each path; and the whole-G fallback, if any."""
+
+    def __init__(self):
+        self.counts = {}
+        self.fallback = None
+
+    def add(self, op, path, reason):
+        key = (op, path, reason)
+        self.counts[key] = self.counts.get(key, 0) + 1

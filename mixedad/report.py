@@ -1,0 +1,100 @@
+r"""Which op took which path: a report to run once on a new generator.
+
+PyTorch's forward mode has silent gaps, so a user who brings a new G should see how mixedad
+pushes tangents through it: per op, how many calls took a fast frozen-layer rule, a written
+formula, the local double-VJP rule (and why), PyTorch's own formula, and whether all of G fell
+back to two reverse passes (and why).
+"""
+from mixedad import _checks
+from mixedad.op_rules import PATHS, WHOLE_G, PathRecorder
+from mixedad.state import Snapshot
+from mixedad.tangents import eager, push_tangent
+
+__all__ = ["TangentReport", "tangent_report"]
+
+
+class TangentReport:
+    """Per-op counts of the paths tangents took through G in one pass.
+
+    Attributes:
+        rows: list of ``(op, path, reason, calls)``, ordered by path, then op.
+        fallback: None, or why all of G took the whole-G fallback (memory grows with depth).
+    """
+
+    def __init__(self, recorder):
+        order = {path: i for i, path in enumerate(PATHS)}
+        self.rows = sorted(((op, path, reason, n) for (op, path, reason), n in recorder.counts.items()),
+                           key=lambda row: (order[row[1]], row[0], row[2]))
+        self.fallback = recorder.fallback
+
+    def calls(self, path):
+        """How many op calls took ``path`` (one of :data:`mixedad.op_rules.PATHS`)."""
+        return sum(n for _, p, _, n in self.rows if p == path)
+
+    def ops(self, path):
+        """The names of the ops that took ``path`` at least once."""
+        return sorted({op for op, p, _, _ in self.rows if p == path})
+
+    @property
+    def flat(self):
+        """True when no whole-G fallback was needed: memory does not grow with G's depth."""
+        return self.fallback is None
+
+    def __str__(self):
+        header = ("op", "path", "reason", "calls")
+        body = [(op, path, reason, str(n)) for op, path, reason, n in self.rows]
+        if self.fallback is not None:
+            body.append(("G (all of it)", WHOLE_G, self.fallback, "1"))
+        widths = [max(len(r[i]) for r in [header, *body]) for i in range(4)]
+        line = lambda r: "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+        summary = ("memory: flat in G's depth" if self.flat
+                   else "memory: GROWS with G's depth (whole-G fallback)")
+        return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body), summary])
+
+    def __repr__(self):
+        return f"TangentReport({len(self.rows)} rows, fallback={self.fallback!r})"
+
+
+def tangent_report(G, z, v=None, *, strategy="auto"):
+    r"""Push one tangent through G and report, per op, which path it took.
+
+    .. math::
+
+        \dot g = J_G(z)\, v \quad\text{(computed and discarded; only the paths are kept)}
+
+    Runs the same forward pass as :func:`mixedad.mixed_grad` (strategy as there) and counts every
+    op call that produced a tangent: ``frozen layer``, ``written formula``, ``local double-VJP``
+    (with the reason: known-wrong formula, no formula, a formula that raised, a custom Function
+    without ``jvp``) and ``forward AD``; and whether G needed the ``whole-G fallback``, whose
+    memory grows with depth (that still warns). G is left as it was: its random state and
+    buffers are restored. Memory and time: one call of mixed_grad's forward pass.
+
+    Args:
+        G: callable or ``nn.Module``.
+        z: floating-point tensor, or a tuple of them that G takes positionally.
+        v: tangent with z's structure; defaults to ones.
+        strategy: keyword-only; "auto" or "forward" ("reverse" reports only the fallback).
+
+    Returns:
+        A :class:`TangentReport`; ``print(report)`` shows the table.
+
+    Example:
+        >>> import torch, mixedad
+        >>> report = mixedad.tangent_report(mixedad.zoo.mlp(2, 4), torch.randn(3, 4))
+        >>> report.calls("frozen layer"), report.flat
+        (2, True)
+    """
+    call = "tangent_report(G, z)"
+    _checks.check_callable(call, "G", G)
+    zs = _checks.flatten_z(call, z)
+    vs = _checks.flatten_v(call, z, zs, v)
+    _checks.check_strategy(call, strategy)
+    G = eager(G)
+    recorder = PathRecorder()
+    undo = Snapshot(G)
+    try:
+        with undo.watching():
+            push_tangent(call, G, zs, vs, strategy=strategy, recorder=recorder)
+    finally:
+        undo.restore()
+    return TangentReport(recorder)
