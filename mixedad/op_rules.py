@@ -181,18 +181,24 @@ class OpRules(TorchFunctionMode):
     Args:
         call: the public call's name, for messages.
         recorder: None, or a :class:`PathRecorder` that counts which op took which path.
+        skip: keyword-only; paths not to take (``FROZEN``, ``FORMULA``, ``LOCAL``), for
+            benchmarks and the zoo's calibration. Ops then take PyTorch's formula, and without
+            ``LOCAL`` a formula that raises is not retried (the whole-G fallback takes G).
     """
 
-    def __init__(self, call, recorder=None):
+    def __init__(self, call, recorder=None, *, skip=()):
         super().__init__()
         self.call, self.recorder = call, recorder
+        self.local = LOCAL not in skip
+        self.table = {f: r for f, r in TABLE.items() if r.path not in skip} if skip else TABLE
+        self.failed = _FAILED if self.local else {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if in_functorch_transform():
             return func(*args, **kwargs)  # G runs torch.func.vmap (or another transform) inside
-        rule = TABLE.get(func)
-        if rule is None and func in _FAILED:
+        rule = self.table.get(func)
+        if rule is None and func in self.failed:
             rule = _failed_rule(func, args, kwargs)
         if rule is not None:
             result = rule.apply(self.call, func, args, kwargs)
@@ -203,7 +209,7 @@ class OpRules(TorchFunctionMode):
         try:
             result = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as error:
-            if isinstance(error, OpRuleError) or not any_tangent((args, kwargs)):
+            if isinstance(error, OpRuleError) or not self.local or not any_tangent((args, kwargs)):
                 raise
             _remember_failure(func, args, kwargs, error)
             raise RestartPass(op_name(func), error) from error
@@ -228,7 +234,7 @@ class OpRules(TorchFunctionMode):
             if self.recorder is not None:
                 self.recorder.add("torch.utils.checkpoint (reentrant)", FORWARD, "run directly: no recomputation needed")
             return _run_checkpoint_directly(args)
-        if not _has_own_jvp(cls):
+        if self.local and not _has_own_jvp(cls):
             with self._popped():  # the op runs plainly, as it does inside __torch_function__
                 result = local_jvp(self.call, name, functools.partial(original_apply, cls), args, kwargs)
             if result is not NotImplemented:

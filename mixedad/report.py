@@ -14,11 +14,21 @@ __all__ = ["TangentReport", "tangent_report"]
 
 
 class TangentReport:
-    """Per-op counts of the paths tangents took through G in one pass.
+    r"""Per-op counts of the paths tangents took through G in one pass.
+
+    .. math::
+
+        \mathrm{calls}(\mathrm{path}) = \#\{\text{op calls in } G(z) \text{ whose tangent took path}\}
 
     Attributes:
         rows: list of ``(op, path, reason, calls)``, ordered by path, then op.
         fallback: None, or why all of G took the whole-G fallback (memory grows with depth).
+
+    Example:
+        >>> import torch, mixedad
+        >>> report = mixedad.tangent_report(torch.nn.Linear(3, 3), torch.randn(2, 3))
+        >>> report.ops("frozen layer")
+        ['torch.nn.functional.linear']
     """
 
     def __init__(self, recorder):
