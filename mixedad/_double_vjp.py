@@ -21,7 +21,7 @@ class OpRuleError(RuntimeError):
     """An op whose tangent mixedad can compute neither by forward AD nor by reverse mode."""
 
 
-def _once_differentiable_node(roots):
+def once_differentiable_node(roots):
     """The name of a ``@once_differentiable`` error node in the graphs of ``roots``, or None."""
     seen, stack = set(), [t.grad_fn for t in roots]
     while stack:
@@ -77,12 +77,14 @@ def double_vjp(call, name, outputs, inputs, tangents):
                 f"detached), so double backward through it would silently lose this path. Give it a "
                 f"forward-mode rule: for a custom autograd.Function, a jvp staticmethod."
             )
-    if _once_differentiable_node([p for p, _ in live]) is not None:
+    if once_differentiable_node([p for p, _ in live]) is not None:
+        who = (f"{name} has no jvp staticmethod and its backward is marked @once_differentiable" if name != "G"
+               else "G contains a custom autograd.Function whose backward is marked @once_differentiable")
         raise OpRuleError(
-            f"{call}: {name} has no jvp staticmethod and its backward is marked @once_differentiable, "
-            f"so its Jacobian-vector product can be computed neither by forward mode nor by "
-            f"differentiating its backward (plain double backward raises here too). Add a jvp "
-            f"staticmethod to it: jvp(ctx, *input_tangents) returning the output tangents."
+            f"{call}: {who}, so its Jacobian-vector product can be computed neither by forward mode nor "
+            f"by differentiating its backward (plain double backward raises here too). Add a jvp "
+            f"staticmethod to it: jvp(ctx, *input_tangents) returning the output tangents"
+            + ("." if name != "G" else ", and use strategy='auto' or 'forward'.")
         )
     results = [None] * len(outputs)
     if live:
@@ -95,4 +97,11 @@ def double_vjp(call, name, outputs, inputs, tangents):
                 f"differentiated ({error}). Give it a forward-mode rule (a jvp staticmethod for a "
                 f"custom autograd.Function)."
             ) from error
+    if live and all(r is None for r in results) and any(bool(p.ne(0).any()) for p, _ in live):
+        raise OpRuleError(  # J^T u is nonzero but does not depend on u: the backward cut it off
+            f"{call}: {name} has no forward-mode formula, and its backward is not differentiable in its "
+            f"incoming gradient (it detaches it, or computes outside autograd), so double backward "
+            f"through it would silently lose this path. Give it a forward-mode rule: for a custom "
+            f"autograd.Function, a jvp staticmethod."
+        )
     return [torch.zeros_like(o) if r is None else r for r, o in zip(results, outputs)]

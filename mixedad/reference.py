@@ -7,6 +7,7 @@ with G's depth; use them to verify mixedad's results, not in production.
 import torch
 
 from mixedad import _checks
+from mixedad._double_vjp import once_differentiable_node
 from mixedad._trees import tree_unflatten
 from mixedad.tangents import differentiable_attention, frozen
 
@@ -54,6 +55,12 @@ def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
         if out.requires_grad:
             df_dz = torch.autograd.grad(out, z_work, create_graph=True, allow_unused=True)
         pairs = [(d, vi) for d, vi in zip(df_dz, vs) if d is not None and d.requires_grad]
+        if once_differentiable_node([d for d, _ in pairs]) is not None:
+            raise RuntimeError(
+                f"{call}: G contains a custom autograd.Function whose backward is marked "
+                f"@once_differentiable, so ∂f/∂z cannot be differentiated again (the naive code "
+                f"raises here; with allow_unused it would silently give zeros)."
+            )
         if pairs:
             grads = torch.autograd.grad(
                 [d for d, _ in pairs], y_work, grad_outputs=[vi for _, vi in pairs],
