@@ -35,6 +35,10 @@ def once_differentiable_node(roots):
     return None
 
 
+def _subject(name):
+    return "an op in G" if name == "G" else name
+
+
 def double_vjp(call, name, outputs, inputs, tangents):
     r"""Tangents of ``outputs`` along ``tangents`` of ``inputs``, by two reverse passes.
 
@@ -63,7 +67,7 @@ def double_vjp(call, name, outputs, inputs, tangents):
         pulled = torch.autograd.grad(outputs, inputs, grad_outputs=us, create_graph=True, allow_unused=True)
     except RuntimeError as error:
         raise OpRuleError(
-            f"{call}: {name} has no usable forward-mode formula, and its backward failed too, so "
+            f"{call}: {_subject(name)} has no usable forward-mode formula, and its backward failed too, so "
             f"mixedad cannot push a tangent through it ({error}). Give it a forward-mode rule (a jvp "
             f"staticmethod for a custom autograd.Function)."
         ) from error
@@ -72,7 +76,7 @@ def double_vjp(call, name, outputs, inputs, tangents):
     for p, _ in pairs:
         if not p.requires_grad and bool(p.ne(0).any()):
             raise OpRuleError(
-                f"{call}: {name} has no forward-mode formula, and its backward is not differentiable "
+                f"{call}: {_subject(name)} has no forward-mode formula, and its backward is not differentiable "
                 f"in its incoming gradient (it is computed outside autograd, under no_grad, or "
                 f"detached), so double backward through it would silently lose this path. Give it a "
                 f"forward-mode rule: for a custom autograd.Function, a jvp staticmethod."
@@ -93,13 +97,13 @@ def double_vjp(call, name, outputs, inputs, tangents):
                                           allow_unused=True)
         except RuntimeError as error:
             raise OpRuleError(
-                f"{call}: {name} has no usable forward-mode formula, and its backward cannot be "
+                f"{call}: {_subject(name)} has no usable forward-mode formula, and its backward cannot be "
                 f"differentiated ({error}). Give it a forward-mode rule (a jvp staticmethod for a "
                 f"custom autograd.Function)."
             ) from error
     if live and all(r is None for r in results) and any(bool(p.ne(0).any()) for p, _ in live):
         raise OpRuleError(  # J^T u is nonzero but does not depend on u: the backward cut it off
-            f"{call}: {name} has no forward-mode formula, and its backward is not differentiable in its "
+            f"{call}: {_subject(name)} has no forward-mode formula, and its backward is not differentiable in its "
             f"incoming gradient (it detaches it, or computes outside autograd), so double backward "
             f"through it would silently lose this path. Give it a forward-mode rule: for a custom "
             f"autograd.Function, a jvp staticmethod."

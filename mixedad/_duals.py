@@ -25,8 +25,8 @@ def tangent_of(x):
     """The tangent ``x`` carries at the innermost dual level, or None (also for non-tensors)."""
     # A Parameter never carries a tangent at mixedad's own dual level (only tensors computed
     # from z do), so it is answered without the unpacking call.
-    if not isinstance(x, torch.Tensor) or isinstance(x, nn.Parameter):
-        return None
+    if not isinstance(x, torch.Tensor) or isinstance(x, nn.Parameter) or x.layout != torch.strided:
+        return None  # sparse and other layouts cannot carry forward-mode tangents in PyTorch
     return unpack(x)[1]
 
 

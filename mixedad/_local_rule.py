@@ -49,7 +49,7 @@ def local_jvp(call, name, func, args, kwargs):
     work, diff, tangents = list(leaves), [], []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            primal, tangent = unpack(leaf)
+            primal, tangent = unpack(leaf) if leaf.layout == torch.strided else (leaf, None)
             work[i] = primal.detach()
             if tangent is not None:
                 diff.append(i)

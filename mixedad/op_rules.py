@@ -12,7 +12,8 @@ path                   used for
                        call for the primal, one for the tangent (:mod:`mixedad._frozen_layers`)
 ``written formula``    ``torch.cdist`` and ``F.group_norm``, whose PyTorch formulas are missing
                        or raise on channels-last input (:mod:`mixedad._formulas`)
-``local double-VJP``   ops in :data:`KNOWN_WRONG` and :data:`NO_FORMULA`, custom Functions
+``local double-VJP``   ops in :data:`KNOWN_WRONG`, :data:`DROPS_TANGENT` and :data:`NO_FORMULA`,
+                       custom Functions
                        without ``jvp``, and any op whose forward-AD formula raises:
                        :math:`J_{op} v = \partial_u \langle J_{op}^\top u, v\rangle` for that op
                        alone (:mod:`mixedad._local_rule`)
@@ -68,6 +69,10 @@ KNOWN_WRONG = {
     "logcumsumexp": ("pytorch#196705", "wrong tangent for logits far apart (0.48 where 1.0 is right)"),
 }
 
+#: Torch ops whose forward-AD formula silently drops the tangent (the output comes back without
+#: one although it depends on the input): ``scatter_reduce`` with ``reduce="prod"``.
+DROPS_TANGENT = ("scatter_reduce",)
+
 #: Torch ops with no forward-AD formula in PyTorch (torch 2.13), sent straight to the local rule
 #: instead of being found by a failed first attempt. ``torch.cdist`` has a written formula.
 NO_FORMULA = ("cholesky", "ormqr", "index_reduce", "grid_sampler", "grid_sampler_2d", "grid_sampler_3d")
@@ -116,6 +121,9 @@ def _build_table():
     for name in NO_FORMULA:
         for func in _torch_funcs(name):
             table[func] = Rule(LOCAL, _local, "no forward-AD formula")
+    for name in DROPS_TANGENT:
+        for func in _torch_funcs(name):
+            table[func] = Rule(LOCAL, _local, "PyTorch's formula drops the tangent")
     table[F.grid_sample] = Rule(LOCAL, _local, "no forward-AD formula")
     return table
 

@@ -327,3 +327,30 @@ def test_other_threads_reach_the_original_apply():
     z, v = torch.randn(3, dtype=F64), torch.randn(3, dtype=F64)
     assert_close(jvp_by_mixedad(G, z, v), v * z.cos())
     assert seen and all(s == pytest.approx(2 * torch.tensor(1.0, dtype=F64).sin().item()) for s in seen)
+
+
+def test_scatter_reduce_prod_whose_formula_drops_the_tangent_takes_the_local_rule():
+    index = torch.tensor([0, 1, 0, 1])
+    G = lambda z: torch.zeros(2, dtype=F64).scatter_reduce(0, index, z, reduce="prod", include_self=False)  # noqa: E731
+    z, v = torch.randn(4, dtype=F64), torch.randn(4, dtype=F64)
+    with torch.autograd.forward_ad.dual_level():  # the upstream gap: no tangent comes back
+        dual = torch.autograd.forward_ad.make_dual(z, v)
+        assert torch.autograd.forward_ad.unpack_dual(G(dual)).tangent is None
+    report = mixedad.tangent_report(G, z, v, strategy="forward")
+    assert report.ops("local double-VJP") == ["torch.Tensor.scatter_reduce"] and report.flat
+    assert_close(jvp_by_mixedad(G, z, v), jvp_by_double_backward(G, z, v))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta:UserWarning")
+def test_sparse_csr_op_that_no_mode_can_differentiate_is_refused_clearly():
+    """sampled_addmm: no forward formula, a sparse output, and a backward double backward cannot take."""
+    a = torch.eye(3, dtype=F64).to_sparse_csr()
+    G = lambda z: torch.sparse.sampled_addmm(a, z, z.mT).to_dense()  # noqa: E731
+    z, v = torch.randn(3, 3, dtype=F64), torch.randn(3, 3, dtype=F64)
+    y = torch.ones(3, 3, dtype=F64)
+    with pytest.warns(RuntimeWarning, match="sparse_csr tensor, which cannot carry a forward-mode tangent"):
+        with pytest.raises(RuntimeError, match=r"mixed_grad\(f, G, z, y\): an op in G has no usable forward-mode "
+                                               r"formula, and its backward cannot be differentiated"):
+            mixedad.mixed_grad(linear_f, G, z, y, v)
+    with pytest.raises(RuntimeError):
+        double_backward_mixed_grad(linear_f, G, z, y, v)
