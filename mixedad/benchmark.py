@@ -12,7 +12,11 @@ For each model and depth, every strategy runs on the same inputs in the same pro
   ``torch.backends.mkldnn.flags(enabled=False)``. On the MLP this isolates mixedad's oneDNN
   tangent kernel for float32 ``Linear`` layers (see :mod:`mixedad._frozen_layers`): every matrix
   product then runs on the same BLAS as the other strategies. On convolutional models it also
-  moves PyTorch's own convolutions off oneDNN, so it is meaningless there.
+  moves PyTorch's own convolutions off oneDNN, so it is meaningless there;
+- ``mixed_grad_no_local_rule`` (not in the default set): mixed_grad without the local double-VJP
+  rule and the written formulas of :mod:`mixedad.op_rules`, as mixedad was before them: an op that
+  forward mode cannot take (a custom Function without ``jvp``, ``torch.cdist``) sends all of G
+  to the whole-G fallback. Its warning is silenced here; the point is its memory.
 
 Time is the median over repeats (CUDA events on a GPU), with the strategies timed round-robin
 so that each median sees the same machine and Python's garbage collector paused while timing; peak memory is the CUDA allocator's peak or, on CPU,
@@ -81,6 +85,14 @@ def _mixed_grad_no_onednn(f, G, z, y, v):
         return mixed_grad(f, G, z, y, v)
 
 
+def _mixed_grad_no_local_rule(f, G, z, y, v):
+    from mixedad.op_rules import FORMULA, LOCAL, skipping
+
+    with skipping(LOCAL, FORMULA), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "mixedad: ", RuntimeWarning)
+        return mixed_grad(f, G, z, y, v)
+
+
 STRATEGIES = {
     "mixed_grad": mixed_grad,
     "double_backward": double_backward_mixed_grad,
@@ -88,6 +100,7 @@ STRATEGIES = {
     "forward_ad_recipe": _forward_ad_recipe,
     "plain_forward": _plain_forward,
     "mixed_grad_no_onednn": _mixed_grad_no_onednn,
+    "mixed_grad_no_local_rule": _mixed_grad_no_local_rule,
 }
 #: what ``profile`` runs when no strategies are named
 DEFAULT_STRATEGIES = ("mixed_grad", "double_backward", "func_grad_of_grad", "forward_ad_recipe", "plain_forward")
@@ -101,6 +114,12 @@ MODELS = {
                "residual blocks per scale"),
     "transformer": (lambda d, w, **kw: zoo.transformer(latent_dim=64, d_model=w, layers=d, tokens=16, **kw),
                     "transformer layers"),
+    "stylegan2_ada": (lambda d, w, **kw: zoo.stylegan2_ada(latent_dim=64, w_dim=64, channels=w, image_size=32,
+                                                           extra_layers=d, **kw),
+                      "extra synthesis layers at 32x32 (custom Functions without jvp)"),
+    "vq_decoder": (lambda d, w, **kw: zoo.vq_decoder(latent_dim=64, code_dim=16, codebook_size=256, grid=8,
+                                                     channels=w, blocks=d, groups=8, image_size=32, **kw),
+                   "residual blocks (cdist quantiser, GroupNorm)"),
 }
 
 

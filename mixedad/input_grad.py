@@ -3,8 +3,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from mixedad import _checks
+from mixedad._function_hook import routing
 from mixedad._trees import tree_flatten, tree_unflatten
 from mixedad.contract import contract_f_with_tangent
+from mixedad.op_rules import CheckpointsRunDirectly
 from mixedad.state import RngState, Snapshot
 from mixedad.tangents import differentiable_attention, eager, frozen, push_tangent
 
@@ -94,7 +96,8 @@ class _Meta:
 
 def gradient_chunk(f, G, z_chunks, y_leaves, y_spec):
     """∂f(y, G(*z_chunks))/∂z_chunks by one reverse pass through G, with y treated as constant."""
-    with torch.enable_grad(), differentiable_attention():  # the kernels the backward replays
+    # The kernels the backward replays; reentrant checkpoints run directly (they refuse .grad()).
+    with torch.enable_grad(), differentiable_attention(), routing(CheckpointsRunDirectly()):
         z_work = [zc.detach().requires_grad_() for zc in z_chunks]
         g_leaves, g_spec = tree_flatten(frozen(G)(*z_work))
         g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]

@@ -44,10 +44,13 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
             gives ∂/∂y of the sum of all entries of ∂f/∂z.
         create_graph: keyword-only. If True, the result is differentiable further with
             respect to y (and anything else f closes over).
-        strategy: keyword-only. "auto" (default) pushes the tangent with forward-mode AD and
-            falls back to two reverse passes through G, with a warning, for ops that have no
-            forward-AD formula or outputs that lose their tangent; "forward" raises instead of
-            falling back; "reverse" always uses the two reverse passes (memory grows with depth).
+        strategy: keyword-only. "auto" (default) pushes the tangent forward, each op on its
+            per-op rule (:mod:`mixedad.op_rules`: fast frozen layers, written formulas, the local
+            double-VJP rule for ops forward mode cannot take, PyTorch's formulas), all flat in
+            memory; where no per-op rule can go on (an output that loses its tangent, a sparse
+            output), all of G falls back to two reverse passes, with a warning. "forward" allows
+            every per-op rule and raises instead of that whole-G fallback; "reverse" always
+            uses the two reverse passes (memory grows with depth).
 
     Returns:
         Tensors with the structure, shapes and dtypes of y. A leaf of y that the mixed
@@ -59,7 +62,9 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
             v of another dtype; f not returning a floating-point tensor.
         ValueError: v of another shape or device; f returning more than one element; y empty;
             z, y or G on different devices; an unknown strategy.
-        RuntimeError: strategy="forward" and G has an op without a forward-AD formula.
+        RuntimeError: strategy="forward" and G needs the whole-G fallback; an op of G whose
+            tangent can be computed neither by forward mode nor by reverse mode (a custom
+            Function with a ``@once_differentiable`` backward and no ``jvp``).
 
     Example:
         >>> import torch, mixedad

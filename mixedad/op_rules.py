@@ -174,6 +174,27 @@ def forget_failures():
         _FAILED.clear()
 
 
+_settings = threading.local()
+
+
+@contextlib.contextmanager
+def skipping(*paths):
+    """Passes started in this thread inside the block do not take ``paths`` (benchmarks use it).
+
+    ``skipping(LOCAL, FORMULA)`` gives mixedad as it was before per-op rules: an op forward mode
+    cannot take sends all of G to the whole-G fallback.
+    """
+    unknown = [p for p in paths if p not in (FROZEN, FORMULA, LOCAL)]
+    if unknown:
+        raise ValueError(f"skipping(*paths): expected paths from {[FROZEN, FORMULA, LOCAL]}, got {unknown}.")
+    previous = getattr(_settings, "skip", ())
+    _settings.skip = tuple(previous) + paths
+    try:
+        yield
+    finally:
+        _settings.skip = previous
+
+
 def _has_own_jvp(cls):
     return cls.jvp is not Function.jvp
 
@@ -194,9 +215,10 @@ class OpRules(TorchFunctionMode):
             ``LOCAL`` a formula that raises is not retried (the whole-G fallback takes G).
     """
 
-    def __init__(self, call, recorder=None, *, skip=()):
+    def __init__(self, call, recorder=None, *, skip=None):
         super().__init__()
         self.call, self.recorder = call, recorder
+        skip = getattr(_settings, "skip", ()) if skip is None else skip
         self.local = LOCAL not in skip
         self.table = {f: r for f, r in TABLE.items() if r.path not in skip} if skip else TABLE
         self.failed = _FAILED if self.local else {}

@@ -235,6 +235,26 @@ def test_reentrant_checkpoint_runs_directly(strategy):
         assert mixedad.tangent_report(G, z).ops("frozen layer") == ["torch.nn.functional.linear"]
 
 
+def test_reentrant_checkpoint_in_input_grad_and_check_generator():
+    from mixedad.reference import double_backward_input_grad
+    from mixedad.testing import check_generator
+
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).to(F64)
+    G = lambda z: checkpoint(block, z, use_reentrant=True) ** 2  # noqa: E731
+    plain = lambda z: block(z) ** 2  # noqa: E731
+    z, y = torch.randn(6, 4, dtype=F64), torch.randn(4, dtype=F64)
+    f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
+    w = torch.randn(6, 4, dtype=F64)
+
+    def run(make, G):
+        y_ = y.clone().requires_grad_()
+        (make(f, G, z, y_, chunk_size=2) * w).sum().backward()
+        return y_.grad
+
+    assert_close(run(mixedad.input_grad, G), run(double_backward_input_grad, plain))
+    assert check_generator(G, z) < 1e-10
+
+
 def test_sparse_output_takes_the_whole_g_fallback_with_a_warning():
     G = lambda z: (z.to_sparse() * 2).to_dense().sin()  # noqa: E731
     z, v = torch.randn(3, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
