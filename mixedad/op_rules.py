@@ -157,14 +157,17 @@ def _remember_failure(func, args, kwargs, error):
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if len(reason) > 120:
         reason = reason[:117] + "..."
+    # "no formula" holds for every input; other failures (a size error, a layout) may not.
+    signature = None if "does not support it" in reason else _signature(args, kwargs)
     with _FAILED_LOCK:
         seen = _FAILED.setdefault(func, {})
         if len(seen) < _MAX_FAILED_SIGNATURES:
-            seen[_signature(args, kwargs)] = f"forward-AD formula raised: {reason}"
+            seen[signature] = f"forward-AD formula raised: {reason}"
 
 
 def _failed_rule(func, args, kwargs):
-    reason = _FAILED[func].get(_signature(args, kwargs))
+    seen = _FAILED[func]
+    reason = seen.get(None) or seen.get(_signature(args, kwargs))
     return None if reason is None else Rule(LOCAL, _local, reason)
 
 
@@ -228,14 +231,16 @@ class OpRules(TorchFunctionMode):
         if in_functorch_transform():
             return func(*args, **kwargs)  # G runs torch.func.vmap (or another transform) inside
         rule = self.table.get(func)
-        if rule is None and func in self.failed:
-            rule = _failed_rule(func, args, kwargs)
         if rule is not None:
-            result = rule.apply(self.call, func, args, kwargs)
+            result = self._apply(rule, func, args, kwargs)
             if result is not NotImplemented:
-                if self.recorder is not None:
-                    self.recorder.add(op_name(func), rule.path, rule.reason)
                 return result
+        if func in self.failed:  # its formula raised before, for these inputs: the local rule
+            rule = _failed_rule(func, args, kwargs)
+            if rule is not None:
+                result = self._apply(rule, func, args, kwargs)
+                if result is not NotImplemented:
+                    return result
         try:
             result = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as error:
@@ -245,6 +250,12 @@ class OpRules(TorchFunctionMode):
             raise RestartPass(op_name(func), error) from error
         if self.recorder is not None and any_tangent(result):
             self.recorder.add(op_name(func), FORWARD, "PyTorch's formula")
+        return result
+
+    def _apply(self, rule, func, args, kwargs):
+        result = rule.apply(self.call, func, args, kwargs)
+        if result is not NotImplemented and self.recorder is not None:
+            self.recorder.add(op_name(func), rule.path, rule.reason)
         return result
 
     @contextlib.contextmanager

@@ -110,3 +110,14 @@ def test_linear_kernels_benchmark_runs(tmp_path, capsys):
     assert set(result["seconds"]) == {"F.linear (BLAS)", "oneDNN"}
     assert result["max_rel_difference"] < 1e-5
     assert "| oneDNN |" in (tmp_path / "linear_kernels_cpu.md").read_text()
+
+
+def test_op_rules_benchmark_runs_and_shows_the_local_rule_saving_memory(tmp_path, monkeypatch, capsys):
+    argv = ["op_rules_vs_depth.py", "--quick", "--repeats", "1", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(BENCH / "op_rules_vs_depth.py"), run_name="__main__")
+    rows = json.loads((tmp_path / "stylegan2_ada_cpu.json").read_text())["rows"]
+    at = {r["strategy"]: r for r in rows if r["depth"] == 2}
+    assert at["mixed_grad"]["peak_bytes"] < at["mixed_grad_no_local_rule"]["peak_bytes"]
+    assert at["mixed_grad"]["max_rel_error"] < 1e-4
+    assert "| vq_decoder | 2 |" in (tmp_path / "op_rules_memory_cpu.md").read_text()

@@ -374,3 +374,20 @@ def test_sparse_csr_op_that_no_mode_can_differentiate_is_refused_clearly():
             mixedad.mixed_grad(linear_f, G, z, y, v)
     with pytest.raises(RuntimeError):
         double_backward_mixed_grad(linear_f, G, z, y, v)
+
+
+@pytest.mark.parametrize("weight_from_z", [False, True])
+def test_group_norm_on_channels_last_with_frozen_or_z_dependent_affine(weight_from_z):
+    """Frozen affine: the written formula. Affine from z: PyTorch's formula raises, the local rule takes it."""
+    conv = nn.Conv2d(8, 8, 3, padding=1).to(F64).to(memory_format=torch.channels_last)
+    gamma = torch.randn(8, dtype=F64)
+
+    def G(z):
+        x = conv(z.contiguous(memory_format=torch.channels_last))
+        weight = gamma * z.mean() if weight_from_z else gamma
+        return F.group_norm(x, 4, weight, None)
+
+    z, v = torch.randn(2, 8, 5, 5, dtype=F64), torch.randn(2, 8, 5, 5, dtype=F64)
+    assert_close(jvp_by_mixedad(G, z, v), jvp_by_double_backward(G, z, v))
+    path = "local double-VJP" if weight_from_z else "written formula"
+    assert "torch.nn.functional.group_norm" in mixedad.tangent_report(G, z, v).ops(path)
