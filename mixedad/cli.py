@@ -38,7 +38,8 @@ def build_parser():
 
 
 #: model -> (width, batch) used when --width / --batch are not given
-PROFILE_DEFAULTS = {"mlp": (512, 256), "dcgan": (32, 32), "resnet": (32, 32), "transformer": (64, 32)}
+PROFILE_DEFAULTS = {"mlp": (512, 256), "dcgan": (32, 32), "resnet": (32, 32), "transformer": (64, 32),
+                    "stylegan2_ada": (32, 8), "vq_decoder": (32, 8)}
 
 
 def run_profile(args):
