@@ -1,9 +1,23 @@
-"""Generators whose ops PyTorch's forward mode cannot take, at a chosen depth (shared by tests)."""
+"""Ops and generators that PyTorch's forward mode cannot take, shared by tests."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mixedad import zoo
+
+
+class SinWithoutJvp(torch.autograd.Function):
+    """A custom op with backward (differentiable, for double backward) but no jvp."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x.cos()
 
 
 class GroupNormChannelsLast(nn.Module):

@@ -9,6 +9,8 @@ from mixedad import tangents, zoo
 from mixedad.reference import double_backward_input_grad, double_backward_mixed_grad
 from mixedad.testing import assert_close
 
+from tests.op_rule_generators import SinWithoutJvp
+
 F64 = torch.float64
 
 
@@ -18,20 +20,6 @@ def fresh_warnings():
     tangents._warned.clear()
     yield
     tangents._warned.clear()
-
-
-class SinWithoutJvp(torch.autograd.Function):
-    """A custom op with backward (differentiable, for double backward) but no jvp."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.sin()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return grad * x.cos()
 
 
 class Apply(nn.Module):

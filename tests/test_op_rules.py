@@ -13,6 +13,8 @@ from mixedad import tangents
 from mixedad.reference import double_backward_mixed_grad, finite_difference_mixed_grad
 from mixedad.testing import assert_close, max_relative_error
 
+from tests.op_rule_generators import SinWithoutJvp
+
 F64 = torch.float64
 
 
@@ -142,18 +144,6 @@ def test_cdist_batched_both_sides_with_tangents():
     G = lambda z: torch.cdist(z, z[:, :3] * 2)  # noqa: E731
     z, v = torch.randn(2, 30, 4, dtype=F64), torch.randn(2, 30, 4, dtype=F64)
     assert_close(jvp_by_mixedad(G, z, v), jvp_by_double_backward(G, z, v))
-
-
-class SinWithoutJvp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.sin()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return grad * x.cos()
 
 
 class SinOnceDifferentiable(SinWithoutJvp):
