@@ -20,7 +20,7 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
 
     where :math:`J_G(z)` is the Jacobian of the generator G at z and :math:`g = G(z)`.
 
-    The tangent v goes forward through G with forward-mode AD (see :mod:`mixedad.tangents` for
+    The tangent v goes forward through G with forward-mode AD (see :mod:`mixedad.op_rules` for
     which ops take which path); only the cheap f is differentiated twice. No reverse graph through G is ever
     built, so peak memory is that of one forward pass of G holding primal and tangent plus
     f's graph, and does not grow with G's depth. Double backward
