@@ -16,7 +16,10 @@ For each model and depth, every strategy runs on the same inputs in the same pro
 - ``mixed_grad_no_local_rule`` (not in the default set): mixed_grad without the local double-VJP
   rule and the written formulas of :mod:`mixedad.op_rules`, as mixedad was before them: an op that
   forward mode cannot take (a custom Function without ``jvp``, ``torch.cdist``) sends all of G
-  to the whole-G fallback. Its warning is silenced here; the point is its memory.
+  to the whole-G fallback. Its warning is silenced here; the point is its memory;
+- ``mixed_grad_math_attention`` (not in the default set): mixed_grad without the attention rule,
+  pushing tangents through PyTorch's math SDPA backend, which holds the T x T scores, as mixedad
+  did before the rule.
 
 Time is the median over repeats (CUDA events on a GPU), with the strategies timed round-robin
 so that each median sees the same machine and Python's garbage collector paused while timing; peak memory is the CUDA allocator's peak or, on CPU,
@@ -93,6 +96,13 @@ def _mixed_grad_no_local_rule(f, G, z, y, v):
         return mixed_grad(f, G, z, y, v)
 
 
+def _mixed_grad_math_attention(f, G, z, y, v):
+    from mixedad.op_rules import ATTENTION, skipping
+
+    with skipping(ATTENTION):
+        return mixed_grad(f, G, z, y, v)
+
+
 STRATEGIES = {
     "mixed_grad": mixed_grad,
     "double_backward": double_backward_mixed_grad,
@@ -101,6 +111,7 @@ STRATEGIES = {
     "plain_forward": _plain_forward,
     "mixed_grad_no_onednn": _mixed_grad_no_onednn,
     "mixed_grad_no_local_rule": _mixed_grad_no_local_rule,
+    "mixed_grad_math_attention": _mixed_grad_math_attention,
 }
 #: what ``profile`` runs when no strategies are named
 DEFAULT_STRATEGIES = ("mixed_grad", "double_backward", "func_grad_of_grad", "forward_ad_recipe", "plain_forward")

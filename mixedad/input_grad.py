@@ -3,12 +3,13 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from mixedad import _checks
+from mixedad._attention import DropoutOnMathBackend
 from mixedad._function_hook import routing
 from mixedad._trees import tree_flatten, tree_unflatten
 from mixedad.contract import contract_f_with_tangent
 from mixedad.op_rules import CheckpointsRunDirectly
 from mixedad.state import RngState, Snapshot
-from mixedad.tangents import differentiable_attention, eager, frozen, push_tangent
+from mixedad.tangents import eager, frozen, push_tangent
 
 CALL = "input_grad(f, G, z, y)"
 
@@ -96,8 +97,10 @@ class _Meta:
 
 def gradient_chunk(f, G, z_chunks, y_leaves, y_spec):
     """∂f(y, G(*z_chunks))/∂z_chunks by one reverse pass through G, with y treated as constant."""
-    # The kernels the backward replays; reentrant checkpoints run directly (they refuse .grad()).
-    with torch.enable_grad(), differentiable_attention(), routing(CheckpointsRunDirectly()):
+    # The user's kernels (fused attention has a first-order backward), with attention dropout on
+    # the math backend, which the backward's replay uses; reentrant checkpoints run directly
+    # (they refuse .grad()).
+    with torch.enable_grad(), DropoutOnMathBackend(), routing(CheckpointsRunDirectly()):
         z_work = [zc.detach().requires_grad_() for zc in z_chunks]
         g_leaves, g_spec = tree_flatten(frozen(G)(*z_work))
         g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]

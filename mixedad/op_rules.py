@@ -10,6 +10,9 @@ path                   used for
 ``frozen layer``       ``F.linear``, ``F.conv{1,2,3}d``, ``F.conv_transpose{1,2,3}d`` and
                        eval-mode ``F.batch_norm`` whose weights carry no tangent: one plain
                        call for the primal, one for the tangent (:mod:`mixedad._frozen_layers`)
+``blockwise attention`` ``F.scaled_dot_product_attention``: the user's fused kernel for the
+                       primal, the tangent a block of queries at a time, never the whole
+                       :math:`T \times T` matrix (:mod:`mixedad._attention`)
 ``written formula``    ``torch.cdist`` and ``F.group_norm``, whose PyTorch formulas are missing
                        or raise on channels-last input (:mod:`mixedad._formulas`)
 ``local double-VJP``   ops in :data:`KNOWN_WRONG`, :data:`DROPS_TANGENT` and :data:`NO_FORMULA`,
@@ -28,8 +31,12 @@ signature: dtypes, shapes, strides) and the pass starts again, with that op on t
 from then on. A reentrant ``torch.utils.checkpoint`` block runs directly: mixedad's pass builds
 no reverse graph through G, so there is nothing to recompute.
 
-Only calls that pass through ``__torch_function__`` at the top level are seen: ops inside a torch
-function that has been let through (a Python composite of torch) run there as plain ops.
+Only calls that pass through ``__torch_function__`` are seen. Ops inside a torch function that
+has been let through run there as plain ops, except inside the Python composites of
+:data:`mixedad._composites.COMPOSITES` (``F.multi_head_attention_forward``, which
+``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` call), whose bodies run with the
+dispatch active, so their projections take the frozen-layer rule and their attention the
+attention rule.
 :func:`mixedad.tangent_report` shows, for a given G and z, which op took which path.
 """
 import contextlib
@@ -43,6 +50,8 @@ from torch.autograd.function import Function
 from torch.overrides import TorchFunctionMode, _pop_mode_temporarily, resolve_name
 from torch.utils.checkpoint import CheckpointFunction
 
+from mixedad._attention import Rerouted, sdpa_rule
+from mixedad._composites import COMPOSITES, run_inside
 from mixedad._double_vjp import OpRuleError
 from mixedad._duals import any_tangent
 from mixedad._formulas import cdist_rule, group_norm_rule
@@ -52,10 +61,10 @@ from mixedad._local_rule import local_jvp
 from mixedad._transforms import in_functorch_transform
 from mixedad._trees import tree_flatten
 
-FROZEN, FORMULA, LOCAL, FORWARD, WHOLE_G = (
-    "frozen layer", "written formula", "local double-VJP", "forward AD", "whole-G fallback")
+FROZEN, ATTENTION, FORMULA, LOCAL, FORWARD, WHOLE_G = (
+    "frozen layer", "blockwise attention", "written formula", "local double-VJP", "forward AD", "whole-G fallback")
 #: Every path, in the order the report lists them.
-PATHS = (FROZEN, FORMULA, LOCAL, FORWARD, WHOLE_G)
+PATHS = (FROZEN, ATTENTION, FORMULA, LOCAL, FORWARD, WHOLE_G)
 
 #: Torch ops whose forward-AD formula in PyTorch is known to be silently wrong: they take the
 #: local rule although forward AD "works". name: (upstream issue, what goes wrong). The umbrella
@@ -113,6 +122,7 @@ def _torch_funcs(name):
 def _build_table():
     table = {func: Rule(FROZEN, weighted_rule, "frozen weights") for func in WEIGHTED}
     table[F.batch_norm] = Rule(FROZEN, batch_norm_eval_rule, "eval-mode statistics")
+    table[F.scaled_dot_product_attention] = Rule(ATTENTION, sdpa_rule, "fused primal, blockwise tangent")
     table[torch.cdist] = Rule(FORMULA, cdist_rule, "no forward-AD formula; its backward is not differentiable")
     table[F.group_norm] = Rule(FORMULA, group_norm_rule, "PyTorch's formula raises on non-contiguous input")
     for name, (issue, what) in KNOWN_WRONG.items():
@@ -187,9 +197,9 @@ def skipping(*paths):
     ``skipping(LOCAL, FORMULA)`` gives mixedad as it was before per-op rules: an op forward mode
     cannot take sends all of G to the whole-G fallback.
     """
-    unknown = [p for p in paths if p not in (FROZEN, FORMULA, LOCAL)]
+    unknown = [p for p in paths if p not in (FROZEN, ATTENTION, FORMULA, LOCAL)]
     if unknown:
-        raise ValueError(f"skipping(*paths): expected paths from {[FROZEN, FORMULA, LOCAL]}, got {unknown}.")
+        raise ValueError(f"skipping(*paths): expected paths from {[FROZEN, ATTENTION, FORMULA, LOCAL]}, got {unknown}.")
     previous = getattr(_settings, "skip", ())
     _settings.skip = tuple(previous) + paths
     try:
@@ -213,7 +223,7 @@ class OpRules(TorchFunctionMode):
     Args:
         call: the public call's name, for messages.
         recorder: None, or a :class:`PathRecorder` that counts which op took which path.
-        skip: keyword-only; paths not to take (``FROZEN``, ``FORMULA``, ``LOCAL``), for
+        skip: keyword-only; paths not to take (``FROZEN``, ``ATTENTION``, ``FORMULA``, ``LOCAL``), for
             benchmarks and the zoo's calibration. Ops then take PyTorch's formula, and without
             ``LOCAL`` a formula that raises is not retried (the whole-G fallback takes G).
     """
@@ -223,6 +233,7 @@ class OpRules(TorchFunctionMode):
         self.call, self.recorder = call, recorder
         skip = getattr(_settings, "skip", ()) if skip is None else skip
         self.local = LOCAL not in skip
+        self.attention = ATTENTION not in skip
         self.table = {f: r for f, r in TABLE.items() if r.path not in skip} if skip else TABLE
         self.failed = _FAILED if self.local else {}
 
@@ -230,6 +241,8 @@ class OpRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if in_functorch_transform():
             return func(*args, **kwargs)  # G runs torch.func.vmap (or another transform) inside
+        if func in COMPOSITES:
+            return run_inside(self, func, args, kwargs)
         rule = self.table.get(func)
         if rule is not None:
             result = self._apply(rule, func, args, kwargs)
@@ -254,6 +267,10 @@ class OpRules(TorchFunctionMode):
 
     def _apply(self, rule, func, args, kwargs):
         result = rule.apply(self.call, func, args, kwargs)
+        if isinstance(result, Rerouted):
+            if self.recorder is not None:
+                self.recorder.add(op_name(func), result.path, result.reason)
+            return result.value
         if result is not NotImplemented and self.recorder is not None:
             self.recorder.add(op_name(func), rule.path, rule.reason)
         return result

@@ -12,9 +12,11 @@ to each op of G is decided in one place, :mod:`mixedad.op_rules`; this module ru
   formula raises, the pass is restored and run again with that op on the local rule. Inside
   ``torch.func.vmap`` and the other transforms it uses ``torch.func.jvp``, which vmap can batch,
   and PyTorch's formulas only. Memory: one forward pass holding primal and tangent, flat in G's
-  depth. Attention runs through the math SDPA backend and the nn.MultiheadAttention /
-  TransformerEncoderLayer fast path is switched off during the pass, because the fused kernels
-  have no forward-AD formula.
+  depth. ``F.scaled_dot_product_attention`` keeps the user's fused kernel for the primal and
+  takes a blockwise tangent (:mod:`mixedad._attention`); the nn.MultiheadAttention /
+  TransformerEncoderLayer fast path is switched off during the pass, because its fused kernels
+  bypass SDPA and have no forward-AD formula. Inside torch.func transforms, attention runs
+  through the math SDPA backend.
 - **reverse** (the whole-G fallback): the double-VJP trick for all of G, :math:`J_G v =
   \partial_u \langle J_G^\top u, v\rangle` (:mod:`mixedad._double_vjp`). It needs no forward-mode
   formula but keeps G's graph: memory grows with depth. ``strategy="auto"`` takes it, with a
@@ -99,12 +101,32 @@ def frozen(G):
 
 
 @contextlib.contextmanager
+def no_fused_attention_layers():
+    """The nn.MultiheadAttention / TransformerEncoderLayer fast path off; the flag restored on exit.
+
+    The fused encoder-layer kernels have neither forward-AD nor double-backward formulas, and
+    they bypass ``F.scaled_dot_product_attention``, where mixedad's attention rule sits.
+    """
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "get_fastpath_enabled"):
+        yield
+        return
+    previous = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(previous)
+
+
+@contextlib.contextmanager
 def differentiable_attention():
     """Attention kernels with every derivative: math SDPA, and no MHA / encoder-layer fast path.
 
-    The fused kernels (flash and memory-efficient SDPA, the fused TransformerEncoderLayer) have
-    neither forward-AD formulas nor double-backward formulas. Restores the global fast-path
-    flag on exit.
+    For double backward (the whole-G fallback, the reference) and for passes without mixedad's
+    attention rule (inside torch.func transforms): the fused kernels (flash and
+    memory-efficient SDPA, the fused TransformerEncoderLayer) have neither forward-AD formulas
+    nor double-backward formulas.
     """
     with contextlib.ExitStack() as stack:
         try:
@@ -114,11 +136,7 @@ def differentiable_attention():
         except ImportError:  # torch < 2.3
             stack.enter_context(torch.backends.cuda.sdp_kernel(
                 enable_flash=False, enable_math=True, enable_mem_efficient=False))
-        mha = getattr(torch.backends, "mha", None)
-        if mha is not None and hasattr(mha, "get_fastpath_enabled"):
-            previous = mha.get_fastpath_enabled()
-            mha.set_fastpath_enabled(False)
-            stack.callback(mha.set_fastpath_enabled, previous)
+        stack.enter_context(no_fused_attention_layers())
         yield
 
 
@@ -152,7 +170,10 @@ def _forward(call, G, zs, vs, rules):
         return g_leaves, tree_flatten(g_dot)[0], spec
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(differentiable_attention())
+        # With the attention rule, SDPA keeps the user's fused kernel; without it, forward AD
+        # needs the math backend.
+        attention_rule = rules is not None and rules.attention
+        stack.enter_context(no_fused_attention_layers() if attention_rule else differentiable_attention())
         stack.enter_context(forward_ad.dual_level())
         duals = [forward_ad.make_dual(z.detach(), v.detach()) for z, v in zip(zs, vs)]
         if rules is not None:

@@ -121,3 +121,14 @@ def test_op_rules_benchmark_runs_and_shows_the_local_rule_saving_memory(tmp_path
     assert at["mixed_grad"]["peak_bytes"] < at["mixed_grad_no_local_rule"]["peak_bytes"]
     assert at["mixed_grad"]["max_rel_error"] < 1e-4
     assert "| vq_decoder | 2 |" in (tmp_path / "op_rules_memory_cpu.md").read_text()
+
+
+def test_attention_benchmark_runs_and_writes_results(tmp_path, monkeypatch, capsys):
+    argv = ["attention_vs_length.py", "--quick", "--repeats", "1", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(BENCH / "attention_vs_length.py"), run_name="__main__")
+    rows = json.loads((tmp_path / "attention_cpu.json").read_text())["rows"]
+    at = {r["strategy"]: r for r in rows if r["T"] == 128}
+    assert at["mixed_grad"]["peak_bytes"] < at["mixed_grad_math_attention"]["peak_bytes"]
+    assert at["mixed_grad"]["max_rel_error"] < 1e-4
+    assert (tmp_path / "attention_cpu.png").read_bytes()[:4] == b"\x89PNG"

@@ -18,11 +18,11 @@ from torch import nn
 from mixedad.zoo._classic import _Reshape, dcgan, mlp, resnet
 from mixedad.zoo._stylegan import stylegan
 from mixedad.zoo._stylegan2_ada import stylegan2_ada
-from mixedad.zoo._transformer import transformer
+from mixedad.zoo._transformer import attention_stack, transformer
 from mixedad.zoo._vq import vq_decoder
 
-__all__ = ["mlp", "dcgan", "resnet", "stylegan", "stylegan2_ada", "transformer", "vq_decoder", "latent_shape",
-           "MEMBERS"]
+__all__ = ["mlp", "dcgan", "resnet", "stylegan", "stylegan2_ada", "transformer", "attention_stack", "vq_decoder",
+           "latent_shape", "MEMBERS"]
 
 
 #: Every member with small default sizes, by name: ``MEMBERS[name](dtype=..., seed=...)``.

@@ -9,7 +9,7 @@ from torch import nn
 from torch.autograd import forward_ad
 
 from mixedad._function_hook import routing
-from mixedad.op_rules import FROZEN, OpRules
+from mixedad.op_rules import ATTENTION, FROZEN, OpRules
 from mixedad.tangents import differentiable_attention
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -55,7 +55,7 @@ def _calibrate(module, input_shape):
     try:
         # PyTorch's own formulas where they exist, so calibration does not depend on the fast
         # layer kernels; the local rule and written formulas where they do not (custom ops, cdist).
-        rules = OpRules("zoo calibration", skip=(FROZEN,))
+        rules = OpRules("zoo calibration", skip=(FROZEN, ATTENTION))
         with differentiable_attention(), forward_ad.dual_level(), rules, routing(rules):
             module(forward_ad.make_dual(torch.randn(input_shape), torch.randn(input_shape)))
     finally:

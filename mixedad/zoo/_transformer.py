@@ -74,3 +74,42 @@ def transformer(latent_dim=16, d_model=16, *, nhead=2, layers=2, tokens=8, out_f
         raise ValueError(f"zoo.transformer: expected attention 'layer' or 'sdpa', got {attention!r}.")
     build = lambda: _TransformerDecoder(latent_dim, d_model, nhead, layers, tokens, out_features, dropout, attention)  # noqa: E731
     return finish(seeded(build, seed, (8, latent_dim)), dtype, device)
+
+
+class _AttentionStack(nn.Module):
+    def __init__(self, d_model, nhead, layers, causal):
+        super().__init__()
+        self.d_model, self.nhead, self.causal = d_model, nhead, causal
+        self.qkv = nn.ModuleList(nn.Linear(d_model, 3 * d_model) for _ in range(layers))
+        self.out = nn.ModuleList(nn.Linear(d_model, d_model) for _ in range(layers))
+
+    def forward(self, x):
+        batch, tokens, d = x.shape
+        for qkv, out in zip(self.qkv, self.out):
+            q, k, v = qkv(x).reshape(batch, tokens, 3, self.nhead, d // self.nhead).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            x = x + out(a.transpose(1, 2).reshape(batch, tokens, d))
+        return x
+
+
+def attention_stack(d_model=64, *, nhead=4, layers=2, causal=True, seed=0, dtype=torch.float32, device="cpu"):
+    r"""Bare attention layers on a sequence: the generator of mixedad's attention benchmark.
+
+    .. math::
+
+        x_{l+1} = x_l + W^o_l\, \mathrm{SDPA}\big(W^q_l x_l, W^k_l x_l, W^v_l x_l\big)
+
+    z is the sequence itself, (B, T, d_model), of any length T; each layer is a Linear to
+    queries, keys and values, ``F.scaled_dot_product_attention`` over ``nhead`` heads (causal by
+    default) and a Linear out, with a residual connection.
+
+    Example:
+        >>> import torch
+        >>> from mixedad import zoo
+        >>> zoo.attention_stack(16, nhead=2)(torch.randn(1, 10, 16)).shape
+        torch.Size([1, 10, 16])
+    """
+    if d_model % nhead:
+        raise ValueError(f"zoo.attention_stack: expected d_model divisible by nhead={nhead}, got {d_model}.")
+    build = lambda: _AttentionStack(d_model, nhead, layers, causal)  # noqa: E731
+    return finish(seeded(build, seed, (2, 16, d_model)), dtype, device)

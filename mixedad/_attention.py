@@ -1,0 +1,176 @@
+r"""The attention rule: the user's fused kernel for the primal, a blockwise tangent.
+
+``F.scaled_dot_product_attention`` is what ``nn.MultiheadAttention``,
+``nn.TransformerEncoderLayer``, HF transformers' "sdpa", timm's fused_attn and diffusers'
+AttnProcessor2_0 reach. PyTorch's fused kernels (flash, memory-efficient, the CPU flash kernel)
+have no forward-AD formula, and its math backend holds the :math:`T \times T` scores, the
+probabilities and their tangents. This rule never holds them whole. With
+:math:`S = \mathrm{scale}\cdot QK^\top + M`, :math:`P = \mathrm{softmax}(S)` and :math:`O = PV`:
+
+.. math::
+
+    \dot S = \mathrm{scale}\cdot(\dot Q K^\top + Q \dot K^\top), \qquad
+    \dot O = P \dot V + (P \circ \dot S) V - \mathrm{rowsum}(P \circ \dot S) \circ O
+
+computed one block of queries at a time (all batch entries and heads together), the block
+chosen by bytes: about :data:`BLOCK_BYTES` of scores. With ``is_causal`` a block reads only the
+keys its rows can see. Memory: O(block x T) for the scores plus the primal and tangent of the
+output. Time: four matrix products per block (S, P dV, the stacked
+:math:`[\dot Q, Q][K, \dot K]^\top` and :math:`(P \circ \dot S) V`) on top of the fused primal.
+Terms of inputs without a tangent are skipped (a frozen K and V, as in cross-attention to a
+fixed context, costs two products less). On CUDA the primal is the flash or memory-efficient
+kernel that PyTorch picks; the tangent is the same code.
+
+Covered: ``attn_mask`` (bool, True = attend, or additive), ``is_causal`` (top-left aligned, as
+PyTorch's), ``scale``, ``enable_gqa``, query and key lengths that differ, any batch dimensions.
+The primal is the user's own call, fused where the device has a kernel, so ``G(z)`` is what a
+plain forward computes; the tangent uses that output :math:`O`.
+
+Dropout (``dropout_p > 0``) and a mask that itself carries a tangent go through PyTorch's math
+backend under forward AD instead: the fused kernels cannot hand out their dropout mask, and the
+math backend draws exactly the random numbers double backward draws from the same state. That
+path holds :math:`T \times T` tensors.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from mixedad._composites import COMPOSITES, run_inside
+from mixedad._duals import dual, tangent_of, unpack
+
+#: Bytes of scores per block (all batch entries and heads, a block of queries, every key).
+BLOCK_BYTES = 3 << 19  # 1.5 MiB
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class Rerouted:
+    """A rule's result that took another path than the rule's own (for the report)."""
+
+    def __init__(self, value, path, reason):
+        self.value, self.path, self.reason = value, path, reason
+
+
+def _math_backend():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def _repeat_heads(t, repeats):
+    return t if t is None or repeats == 1 else t.repeat_interleave(repeats, dim=-3)
+
+
+def _block_rows(start, lq, lk, budget, is_causal):
+    """How many query rows from ``start`` keep a block of scores within ``budget`` entries."""
+    if not is_causal:
+        return max(1, min(lq - start, budget // max(1, lk)))
+    # rows r in [start, start + n) read min(lk, start + n) keys: n (start + n) <= budget
+    n = int((-start + math.sqrt(start * start + 4 * budget)) / 2)
+    if start + n > lk:
+        n = budget // max(1, lk)
+    return max(1, min(lq - start, n))
+
+
+def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=False, scale=None,
+                      enable_gqa=False, block_bytes=None):
+    r"""The tangent of ``out = scaled_dot_product_attention(q, k, v, ...)``, a block of queries at a time.
+
+    .. math::
+
+        \dot O = P \dot V + (P \circ \dot S) V - \mathrm{rowsum}(P \circ \dot S) \circ O
+
+    ``dq``, ``dk`` and ``dv`` may be None (no tangent). Returns a tensor of ``out``'s shape and
+    dtype; float16 and bfloat16 are computed in float32.
+    """
+    lq, lk, e = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(e) if scale is None else scale
+    if enable_gqa and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+        repeats = q.shape[-3] // k.shape[-3]
+        k, v, dk, dv = (_repeat_heads(t, repeats) for t in (k, v, dk, dv))
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    q, k, v, o, dq, dk, dv = (None if t is None else t.to(work) for t in (q, k, v, out, dq, dk, dv))
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    tangent = torch.zeros(*batch, lq, v.shape[-1], dtype=work, device=q.device)
+    if dq is None and dk is None and dv is None:
+        return tangent.to(out.dtype)
+    mask = None if attn_mask is None else attn_mask.expand(*batch, lq, lk)
+    budget = (BLOCK_BYTES if block_bytes is None else block_bytes) // (
+        max(1, math.prod(batch)) * (torch.finfo(work).bits // 8))  # score entries per block
+    # S = (scale Q) K^T, and dS = scale (dQ K^T + Q dK^T) as one product [scale dQ, scale Q] [K, dK]^T;
+    # the scale is folded into the (T x E) factors once, not applied to every block of scores.
+    q_scaled = q * scale
+    left = [t for t in (None if dq is None else dq * scale, q_scaled if dk is not None else None) if t is not None]
+    left = None if not left else (left[0] if len(left) == 1 else torch.cat(left, dim=-1))
+    right = [t for t, d in ((k, dq), (dk, dk)) if d is not None]
+    right = None if not right else (right[0] if len(right) == 1 else torch.cat(right, dim=-1))
+    start = 0
+    while start < lq:
+        step = _block_rows(start, lq, lk, budget, is_causal)
+        rows = slice(start, start + step)
+        # Causal attention (top-left aligned) reads keys 0..row only: later keys are skipped.
+        cols = slice(0, min(lk, rows.stop) if is_causal else lk)
+        s = q_scaled[..., rows, :] @ k[..., cols, :].mT
+        if mask is not None:
+            block = mask[..., rows, cols]
+            s = s.masked_fill_(~block, float("-inf")) if block.dtype == torch.bool else s.add_(block)
+        if is_causal and start + 1 < cols.stop:  # only the keys beyond the block's first row
+            later = torch.arange(start + 1, cols.stop, device=q.device) > torch.arange(start, rows.stop, device=q.device)[:, None]
+            s[..., start + 1:cols.stop].masked_fill_(later, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        del s
+        d_o = None if dv is None else p @ dv[..., cols, :]
+        if left is not None:
+            p_ds = (left[..., rows, :] @ right[..., cols, :].mT).mul_(p)
+            del p
+            term = (p_ds @ v[..., cols, :]).sub_(p_ds.sum(-1, keepdim=True) * o[..., rows, :])
+            d_o = term if d_o is None else d_o.add_(term)
+        tangent[..., rows, :] = d_o
+        start = rows.stop
+    return tangent.to(out.dtype)
+
+
+def sdpa_rule(call, func, args, kwargs):
+    """``F.scaled_dot_product_attention``: the user's kernel for the primal, the tangent blockwise."""
+    bound = dict(zip(_SDPA_ARGS, args), **kwargs)
+    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return NotImplemented
+    (q, dq), (k, dk), (v, dv) = unpack(q), unpack(k), unpack(v)
+    if dq is None and dk is None and dv is None:
+        return NotImplemented
+    mask = bound.get("attn_mask")
+    if bound.get("dropout_p", 0.0) > 0 or tangent_of(mask) is not None:
+        with _math_backend():
+            out = func(*args, **kwargs)  # forward AD through the math backend's ops
+        reason = "dropout: math backend" if bound.get("dropout_p", 0.0) > 0 else "mask with a tangent: math backend"
+        return Rerouted(out, "forward AD", reason)
+    rest = {name: value for name, value in bound.items() if name not in ("query", "key", "value")}
+    primal = func(q, k, v, **rest)
+    tangent = blockwise_tangent(q, k, v, primal, dq, dk, dv, attn_mask=mask, is_causal=bound.get("is_causal", False),
+                                scale=bound.get("scale"), enable_gqa=bound.get("enable_gqa", False))
+    return dual(primal, tangent)
+
+
+def _dropout_p(args, kwargs):
+    return dict(zip(_SDPA_ARGS, args), **kwargs).get("dropout_p", 0.0)
+
+
+class DropoutOnMathBackend(TorchFunctionMode):
+    """Attention with dropout on PyTorch's math backend; everything else on the user's kernels.
+
+    For the reverse passes that mixedad's forward-AD pass replays (``input_grad``'s forward):
+    the replay runs attention with dropout on the math backend, so the pass it replays must
+    draw the same masks there. Inner calls of ``F.multi_head_attention_forward`` are reached.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in COMPOSITES:
+            return run_inside(self, func, args, kwargs)
+        if func is F.scaled_dot_product_attention and _dropout_p(args, kwargs) > 0:
+            with _math_backend():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)

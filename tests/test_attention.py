@@ -1,0 +1,191 @@
+"""The attention rule: exact against double backward (math backend) and linear in T in memory."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixedad
+from mixedad import _attention
+from mixedad.profiling import peak_memory
+from mixedad.reference import double_backward_input_grad, double_backward_mixed_grad
+from mixedad.testing import assert_close
+
+F64 = torch.float64
+SDPA = "torch.nn.functional.scaled_dot_product_attention"
+gen = torch.Generator().manual_seed(0)
+
+
+def cubic(y, g):
+    return ((y + g) ** 3).sum()
+
+
+def randn(*shape):
+    return torch.randn(*shape, generator=gen, dtype=F64)
+
+
+Q = randn(2, 3, 7, 5)
+K_MEMORY, V_MEMORY = randn(2, 3, 11, 5), randn(2, 3, 11, 4)
+BOOL_MASK = torch.rand(7, 7, generator=gen) > 0.4
+BOOL_MASK[:, 0] = True  # no row fully masked
+ADDITIVE_MASK = randn(3, 1, 7)
+
+# name: G(z) with z of Q's shape
+CASES = {
+    "plain": lambda z: F.scaled_dot_product_attention(z, z * 2, z.sin()),
+    "causal": lambda z: F.scaled_dot_product_attention(z, z * 2, z.sin(), is_causal=True),
+    "bool_mask": lambda z: F.scaled_dot_product_attention(z, z * 2, z.sin(), attn_mask=BOOL_MASK),
+    "additive_mask_scale": lambda z: F.scaled_dot_product_attention(z, z * 2, z.sin(), attn_mask=ADDITIVE_MASK,
+                                                                    scale=0.3),
+    "gqa": lambda z: F.scaled_dot_product_attention(z, z[:, :1] * 2, z[:, :1].cos(), enable_gqa=True),
+    "cross_attention_frozen_memory": lambda z: F.scaled_dot_product_attention(z, K_MEMORY, V_MEMORY),
+    "query_frozen": lambda z: F.scaled_dot_product_attention(Q, randn_like_k(z), z.tanh()),
+    "longer_queries_causal": lambda z: F.scaled_dot_product_attention(
+        torch.cat([z, z.flip(-2)], dim=-2), z * 2, z.sin(), is_causal=True),
+    "longer_keys_causal": lambda z: F.scaled_dot_product_attention(
+        z, torch.cat([z, z * 3], dim=-2), torch.cat([z, z], dim=-2).sin(), is_causal=True),
+    "three_dims": lambda z: F.scaled_dot_product_attention(z[0], z[1] * 2, z[0].sin()),
+}
+
+
+def randn_like_k(z):
+    return z.flip(-1) * 2
+
+
+@pytest.mark.parametrize("block_bytes", [None, 200])  # one block, and many blocks of a few rows
+@pytest.mark.parametrize("name", CASES)
+def test_sdpa_matches_double_backward(name, block_bytes, monkeypatch):
+    if block_bytes is not None:
+        monkeypatch.setattr(_attention, "BLOCK_BYTES", block_bytes)
+    G = CASES[name]
+    z, v = Q.clone(), randn(*Q.shape)
+    y = randn(*G(z).shape)
+    ours = mixedad.mixed_grad(cubic, G, z, y, v, strategy="forward")
+    assert_close(ours, double_backward_mixed_grad(cubic, G, z, y, v))
+    assert mixedad.tangent_report(G, z, v).ops("blockwise attention") == [SDPA]
+
+
+def transformer_layer():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.TransformerEncoderLayer(16, 4, 32, 0.0, batch_first=True).to(F64).eval()
+
+
+def multihead():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(16, 4, batch_first=True).to(F64).eval()
+    return lambda z: mha(z, z * 2, z.sin(), need_weights=False)[0]
+
+
+@pytest.mark.parametrize("make", [transformer_layer, multihead], ids=["TransformerEncoderLayer", "MultiheadAttention"])
+def test_modules_reach_the_rule_through_their_inner_calls(make):
+    """F.multi_head_attention_forward's inner SDPA and projections are reached, not let through."""
+    G = make()
+    z, v = randn(2, 6, 16), randn(2, 6, 16)
+    y = randn(2, 6, 16)
+    assert_close(mixedad.mixed_grad(cubic, G, z, y, v), double_backward_mixed_grad(cubic, G, z, y, v))
+    report = mixedad.tangent_report(G, z, v)
+    assert report.ops("blockwise attention") == [SDPA]
+    assert "torch.nn.functional.linear" in report.ops("frozen layer")  # in_proj and out_proj
+
+
+def test_dropout_in_train_mode_draws_the_masks_double_backward_draws():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 4, 32, 0.3, batch_first=True).to(F64).train()
+    z, y, v = randn(2, 6, 16), randn(2, 6, 16), randn(2, 6, 16)
+    torch.manual_seed(1)
+    ours = mixedad.mixed_grad(cubic, layer, z, y, v)
+    after = torch.get_rng_state()
+    torch.manual_seed(1)
+    assert_close(ours, double_backward_mixed_grad(cubic, layer, z, y, v))
+    assert torch.equal(after, torch.get_rng_state())
+    torch.manual_seed(1)
+    report = mixedad.tangent_report(layer, z, v)
+    assert ("torch.nn.functional.scaled_dot_product_attention", "forward AD", "dropout: math backend", 1) in report.rows
+
+
+def test_functional_dropout_and_input_grad_replay_the_same_masks():
+    G = lambda z: F.scaled_dot_product_attention(z, z * 2, z.sin(), dropout_p=0.4)  # noqa: E731
+    z, y = Q.clone(), randn(*Q.shape)
+    torch.manual_seed(2)
+    ours = mixedad.mixed_grad(cubic, G, z, y)
+    torch.manual_seed(2)
+    assert_close(ours, double_backward_mixed_grad(cubic, G, z, y))
+    w = randn(*Q.shape)
+
+    def run(make):
+        y_ = y[:1].clone().requires_grad_()
+        torch.manual_seed(3)
+        (make(cubic, G, z, y_, chunk_size=1) * w).sum().backward()
+        return y_.grad
+
+    assert_close(run(mixedad.input_grad), run(double_backward_input_grad))
+
+
+def test_input_grad_forward_uses_the_fused_kernel():
+    """Without dropout, input_grad's forward pass runs the user's fused SDPA kernel, not the math backend."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    G = mixedad.zoo.attention_stack(16, nhead=2, dtype=F64)
+    z, y = torch.randn(1, 12, 16, dtype=F64), torch.randn(1, 12, 16, dtype=F64, requires_grad=True)
+    with Ops() as ops:
+        dfdz = mixedad.input_grad(cubic, G, z, y)
+    assert "_scaled_dot_product_flash_attention_for_cpu" in ops.names
+    assert "_softmax" not in ops.names  # the math backend's softmax over T x T
+    y_ref = y.detach().clone().requires_grad_()
+    assert_close(dfdz, double_backward_input_grad(cubic, G, z, y_ref))
+
+
+def peak_at_length(G, T, *paths_skipped):
+    """mixed_grad's exact peak on a sequence of length T (d_model 32), optionally without some paths."""
+    from mixedad.op_rules import skipping
+
+    z, y, v = (torch.randn(1, T, 32) for _ in range(3))
+    with skipping(*paths_skipped):
+        return peak_memory(mixedad.mixed_grad, cubic, G, z, y, v)[1]
+
+
+def encoder_layers():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True) for _ in range(2)]).eval()
+
+
+@pytest.mark.parametrize("make", [lambda: mixedad.zoo.attention_stack(32, nhead=2), encoder_layers],
+                         ids=["attention_stack", "TransformerEncoderLayer"])
+def test_peak_grows_at_most_linearly_in_sequence_length(make):
+    """Exact byte counts: from T = 512 to T = 2048 at most 4x, not 16x; inside encoder layers too."""
+    G = make()
+    small, large = peak_at_length(G, 512), peak_at_length(G, 2048)
+    print(f"peak T=512 {small} B, T=2048 {large} B, ratio {large / small:.2f}")
+    assert large <= 4.0 * small, (small, large)
+
+
+def test_math_path_would_be_quadratic():
+    """The comparison is meaningful: without the rule the same G's peak grows about 16x."""
+    from mixedad.op_rules import ATTENTION
+
+    G = mixedad.zoo.attention_stack(32, nhead=2)
+    small, large = peak_at_length(G, 256, ATTENTION), peak_at_length(G, 1024, ATTENTION)
+    print(f"math path: peak T=256 {small} B, T=1024 {large} B, ratio {large / small:.2f}")
+    assert large > 8 * small
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_fused_primal_and_blockwise_tangent(dtype):
+    G = mixedad.zoo.attention_stack(64, nhead=4, dtype=dtype, device="cuda")
+    z, y, v = (torch.randn(2, 256, 64, dtype=dtype, device="cuda") for _ in range(3))
+    ours = mixedad.mixed_grad(cubic, G, z, y, v, strategy="forward")
+    expected = double_backward_mixed_grad(cubic, G.float(), z.float(), y.float(), v.float())
+    assert_close(ours.float(), expected, rtol=1e-2 if dtype == torch.float16 else 1e-3)
