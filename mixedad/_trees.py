@@ -8,6 +8,7 @@ from torch.utils import _pytree
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 tree_leaves = _pytree.tree_leaves
+tree_map = _pytree.tree_map
 
 
 def describe(obj):

@@ -15,7 +15,7 @@ import torch
 from torch.func import grad, jvp
 
 from mixedad import _checks
-from mixedad._transforms import in_functorch_transform
+from mixedad._transforms import in_functorch_transform, under_differentiating_transform
 from mixedad._trees import tree_unflatten
 
 
@@ -64,5 +64,9 @@ def _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_s
         return jvp(f_of_g, g_primals, g_tangents)[1]
 
     grads = grad(directional)(tuple(y_leaves))
-    # torch.func.grad's result stays connected to the outer autograd graph of y's leaves.
-    return [g if create_graph else g.detach() for g in grads]
+    # torch.func.grad's result stays connected to the outer autograd graph of y's leaves. Cut
+    # it unless create_graph asks for it, or an outer torch.func transform differentiates the
+    # result (torch.func.grad / jvp / jacrev over mixed_grad): detach() would zero that.
+    if create_graph or under_differentiating_transform():
+        return list(grads)
+    return [g.detach() for g in grads]

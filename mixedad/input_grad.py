@@ -5,6 +5,7 @@ from torch.autograd.function import once_differentiable
 from mixedad import _checks
 from mixedad._attention import DropoutOnMathBackend
 from mixedad._function_hook import routing
+from mixedad._inference import outside_inference_mode
 from mixedad._trees import tree_flatten, tree_unflatten
 from mixedad.contract import contract_f_with_tangent
 from mixedad.op_rules import CheckpointsRunDirectly
@@ -14,6 +15,7 @@ from mixedad.tangents import eager, frozen, push_tangent
 CALL = "input_grad(f, G, z, y)"
 
 
+@outside_inference_mode
 def input_grad(f, G, z, y, *, chunk_size=None, strategy="auto"):
     r"""The input gradient ∂f(y, G(z))/∂z, differentiable with respect to y at O(1) memory in depth.
 

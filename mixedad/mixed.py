@@ -3,12 +3,14 @@ import torch
 from torch.func import vmap
 
 from mixedad import _checks
+from mixedad._inference import outside_inference_mode
 from mixedad._trees import tree_unflatten
 from mixedad.contract import contract_f_with_tangent
 from mixedad.state import RngState
 from mixedad.tangents import eager, push_tangent
 
 
+@outside_inference_mode
 def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
     r"""Mixed derivative d/dy of the input gradient ∂f(y, G(z))/∂z, contracted with v.
 
@@ -90,6 +92,7 @@ def _mixed_grad(call, f, G, z, y, v, create_graph, strategy):
     return tree_unflatten(result, y_spec)
 
 
+@outside_inference_mode
 def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
     r"""The full mixed second derivative of f(y, G(z)) in z and y.
 

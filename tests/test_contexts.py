@@ -1,0 +1,82 @@
+"""Contexts a call may be made in: reverse mode's meaning, or mixedad's own error (issue: no silent wrong answers)."""
+import torch
+
+import mixedad
+from mixedad import zoo
+from mixedad.reference import double_backward_input_grad, double_backward_mixed_grad
+from mixedad.testing import assert_close
+
+F64 = torch.float64
+
+
+def cubic(y, g):
+    return ((y + g) ** 3).sum()
+
+
+def problem(seed=0):
+    G = zoo.mlp(2, 4, seed=seed, dtype=F64)
+    gen = torch.Generator().manual_seed(seed)
+    z, y, v = (torch.randn(3, 4, generator=gen, dtype=F64) for _ in range(3))
+    return G, z, y, v
+
+
+def test_inference_mode_gives_the_numbers_not_zeros():
+    G, z, y, v = problem()
+    expected = double_backward_mixed_grad(cubic, G, z, y, v)
+    assert expected.abs().max() > 1
+    with torch.inference_mode():
+        ours = mixedad.mixed_grad(cubic, G, z, y, v)
+        reference = double_backward_mixed_grad(cubic, G, z, y, v)
+        jacobian = mixedad.mixed_jacobian(cubic, G, z, y)
+    assert_close(ours, expected)
+    assert_close(reference, expected)
+    assert_close(jacobian, mixedad.mixed_jacobian(cubic, G, z, y))
+    assert not ours.is_inference()
+
+
+def test_tensors_made_in_inference_mode_work_outside_it():
+    G, z, y, v = problem()
+    with torch.inference_mode():
+        zi, yi, vi = z.clone(), y.clone(), v.clone()
+    assert zi.is_inference()
+    assert_close(mixedad.mixed_grad(cubic, G, zi, yi, vi), double_backward_mixed_grad(cubic, G, z, y, v))
+    assert zi.is_inference()  # the user's tensor is left as it was
+
+
+def test_input_grad_called_in_inference_mode_stays_differentiable():
+    G, z, y, _ = problem()
+    w = torch.randn(3, 4, dtype=F64)
+    y_ours, y_naive = y[0].clone().requires_grad_(), y[0].clone().requires_grad_()
+    with torch.inference_mode():
+        zi = z.clone()
+        dfdz = mixedad.input_grad(cubic, G, zi, y_ours)
+    (dfdz * w).sum().backward()
+    (double_backward_input_grad(cubic, G, z, y_naive) * w).sum().backward()
+    assert_close(y_ours.grad, y_naive.grad)
+
+
+def reference_jacobian_in_y(G, z, v, y):
+    return torch.autograd.functional.jacobian(
+        lambda y_: double_backward_mixed_grad(cubic, G, z, y_, v, create_graph=True), y)
+
+
+def test_torch_func_grad_jvp_and_jacrev_over_mixed_grad_without_create_graph():
+    """A torch.func user never passes create_graph; the outer transform must still see the graph."""
+    G, z, y, v = problem()
+    J = reference_jacobian_in_y(G, z, v, y).reshape(y.numel(), y.numel())
+    ours = torch.func.jacrev(lambda y_: mixedad.mixed_grad(cubic, G, z, y_, v))(y)
+    assert_close(ours.reshape(J.shape), J)
+    w = torch.randn(3, 4, dtype=F64)
+    _, tangent = torch.func.jvp(lambda y_: mixedad.mixed_grad(cubic, G, z, y_, v), (y,), (w,))
+    assert_close(tangent, (J @ w.reshape(-1)).reshape(3, 4))
+    g = torch.func.grad(lambda y_: mixedad.mixed_grad(cubic, G, z, y_, v).sum())(y)
+    assert_close(g, J.sum(0).reshape(3, 4))
+
+
+def test_vmap_over_mixed_grad_still_returns_no_graph():
+    G, z, y, _ = problem()
+    y = y.clone().requires_grad_()
+    V = torch.randn(2, 3, 4, dtype=F64)
+    rows = torch.func.vmap(lambda v: mixedad.mixed_grad(cubic, G, z, y, v))(V)
+    assert not rows.requires_grad
+    assert_close(rows[1], double_backward_mixed_grad(cubic, G, z, y.detach(), V[1]))
