@@ -5,6 +5,7 @@ was expected and what came in, and the fix where there is one. Wrong kinds raise
 wrong shapes or values ValueError.
 """
 import itertools
+import operator
 
 import torch
 
@@ -129,19 +130,25 @@ def check_strategy(call, strategy):
 
 
 def check_chunk_size(call, chunk_size):
-    """Check that chunk_size is None or a positive int, and return it."""
+    """Check that chunk_size is None or a positive integer (``operator.index``), and return it as an int."""
+    original = chunk_size
     if chunk_size is None:
         return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"{call}: expected chunk_size to be None or a positive int, got {chunk_size!r}.")
+    try:  # ints, numpy integers and integer 0-d tensors alike
+        chunk_size = operator.index(chunk_size) if not isinstance(chunk_size, bool) else None
+    except TypeError:
+        chunk_size = None
+    if chunk_size is None:
+        raise TypeError(f"{call}: expected chunk_size to be None or a positive int, got {original!r}.")
     if chunk_size < 1:
-        raise ValueError(f"{call}: expected chunk_size to be None or a positive int, got {chunk_size!r}.")
+        raise ValueError(f"{call}: expected chunk_size to be None or a positive int, got {original!r}.")
     return chunk_size
 
 
 def chunk_slices(call, z, chunk_size):
     """Slices of z's leading dimension, ``chunk_size`` codes each; one slice of all if None."""
-    if check_chunk_size(call, chunk_size) is None:
+    chunk_size = check_chunk_size(call, chunk_size)
+    if chunk_size is None:
         return [slice(None)]
     zs = z if isinstance(z, tuple) else (z,)
     if any(zi.dim() == 0 for zi in zs):
@@ -155,7 +162,8 @@ def chunk_slices(call, z, chunk_size):
             f"got leading sizes {sorted(sizes)}."
         )
     n = zs[0].shape[0]
-    return [slice(start, min(start + chunk_size, n)) for start in range(0, n, chunk_size)]
+    # No latent codes: one empty chunk, so the result is an empty gradient, not an error.
+    return [slice(start, min(start + chunk_size, n)) for start in range(0, n, chunk_size)] or [slice(0, 0)]
 
 
 def check_z_constant(call, zs):

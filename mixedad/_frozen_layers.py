@@ -116,4 +116,5 @@ def batch_norm_eval_rule(call, func, args, kwargs):
     scale = torch.rsqrt(var + bound.get("eps", 1e-5))
     if weight is not None:
         scale = scale * weight
-    return dual(primal, x_tangent * scale.reshape(1, -1, *([1] * (x_tangent.dim() - 2))))
+    shape = (1, -1, *([1] * (x_tangent.dim() - 2))) if x_tangent.dim() >= 2 else (-1,)
+    return dual(primal, x_tangent * scale.reshape(shape))

@@ -1,9 +1,12 @@
 """Command line: ``python -m mixedad demo`` and ``python -m mixedad profile``."""
 import argparse
+import pathlib
 
 import torch
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: the demo also runs in half precision, which mixedad handles; profiling stays in float32/64
+DEMO_DTYPES = {**DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def build_parser():
@@ -15,7 +18,7 @@ def build_parser():
                       help="Linear layers (mlp) or extra conv blocks per stage (dcgan)")
     demo.add_argument("--width", type=int, default=512, help="hidden width (mlp) or latent size (dcgan)")
     demo.add_argument("--batch", type=int, default=256)
-    demo.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
+    demo.add_argument("--dtype", choices=sorted(DEMO_DTYPES), default="float64")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")
 
@@ -42,11 +45,34 @@ PROFILE_DEFAULTS = {"mlp": (512, 256), "dcgan": (32, 32), "resnet": (32, 32), "t
                     "stylegan2_ada": (32, 8), "vq_decoder": (32, 8)}
 
 
+def _check_device(command, device):
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as error:
+        raise SystemExit(f"python -m mixedad {command}: --device {device!r} is not a device ({error}).") from error
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"python -m mixedad {command}: --device {device}, but no CUDA device is available.")
+
+
+def _check_out(command, out):
+    """Refuse an --out that cannot take the results before the sweep runs, not after."""
+    path = pathlib.Path(out)
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"python -m mixedad {command}: --out {out} exists and is not a folder.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".mixedad-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise SystemExit(f"python -m mixedad {command}: cannot write to --out {out} ({error.strerror}).") from error
+
+
 def run_profile(args):
     from mixedad import benchmark
 
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("python -m mixedad profile: --device cuda, but no CUDA device is available.")
+    _check_device("profile", args.device)
+    _check_out("profile", args.out)
     width = args.width or PROFILE_DEFAULTS[args.model][0]
     batch = args.batch or PROFILE_DEFAULTS[args.model][1]
     for name, value in (("width", width), ("batch", batch), ("repeats", args.repeats), *(("depths", d) for d in args.depths)):
@@ -73,8 +99,9 @@ def main(argv=None):
         for name in ("depth", "width", "batch", "repeats"):
             if getattr(args, name) < 1:
                 raise SystemExit(f"python -m mixedad demo: --{name} must be >= 1, got {getattr(args, name)}.")
+        _check_device("demo", args.device)
         run_demo(model=args.model, depth=args.depth, width=args.width, batch=args.batch,
-                 dtype=DTYPES[args.dtype], device=args.device, repeats=args.repeats)
+                 dtype=DEMO_DTYPES[args.dtype], device=args.device, repeats=args.repeats)
     elif args.command == "profile":
         run_profile(args)
     return 0

@@ -43,8 +43,9 @@ def _log(msg, out):
 
 
 def run_demo(*, model="mlp", depth=64, width=512, batch=256, dtype=torch.float64, device="cpu",
-             repeats=3, out=sys.stdout):
-    """Run the comparison and print the table. Returns the rows as a list of dicts."""
+             repeats=3, out=None):
+    """Run the comparison and print the table (to ``out``, standard output by default). Returns the rows."""
+    out = sys.stdout if out is None else out  # looked up per call: stdout may be redirected after import
     started = time.perf_counter()
     _log(f"mixedad {mixedad.__version__} demo: mixed_grad vs double backward through a frozen "
          f"{model} generator (depth {depth}, width {width}, batch {batch}, {dtype}, {device})", out)

@@ -147,6 +147,12 @@ def _check_outputs(call, g_leaves):
             raise TypeError(f"{call}: expected {where} to be a floating-point tensor, got {describe(leaf)}.")
 
 
+def _own_memory(t):
+    """``t`` detached; copied when its elements share memory (``expand``), which dual tensors refuse."""
+    t = t.detach()
+    return t.clone() if torch._debug_has_internal_overlap(t) == 1 else t
+
+
 def _forward(call, G, zs, vs, rules):
     """Forward-mode pass. Returns (primal leaves, tangent leaves or None where lost, spec).
 
@@ -175,7 +181,7 @@ def _forward(call, G, zs, vs, rules):
         attention_rule = rules is not None and rules.attention
         stack.enter_context(no_fused_attention_layers() if attention_rule else differentiable_attention())
         stack.enter_context(forward_ad.dual_level())
-        duals = [forward_ad.make_dual(z.detach(), v.detach()) for z, v in zip(zs, vs)]
+        duals = [forward_ad.make_dual(_own_memory(z), _own_memory(v)) for z, v in zip(zs, vs)]
         if rules is not None:
             with rules, routing(rules):
                 out = G(*duals)

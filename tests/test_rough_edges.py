@@ -1,0 +1,89 @@
+"""The rough edges a new user hits: each is an answer or a clear mixedad error, never torch's own crash."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mixedad
+from mixedad import zoo
+from mixedad.cli import main
+from mixedad.reference import double_backward_mixed_grad
+from mixedad.testing import assert_close
+
+F64 = torch.float64
+
+
+def cubic(y, g):
+    return ((y + g) ** 3).sum()
+
+
+def test_expanded_z_and_v_with_zero_strides():
+    G = zoo.mlp(2, 8, dtype=F64)
+    z = torch.randn(1, 8, dtype=F64).expand(4, 8)
+    v = torch.randn(1, 8, dtype=F64).expand(4, 8)
+    y = torch.randn(4, 8, dtype=F64)
+    assert_close(mixedad.mixed_grad(cubic, G, z, y, v), double_backward_mixed_grad(cubic, G, z, y, v))
+
+
+def test_input_grad_on_zero_latent_codes_with_chunks():
+    G = zoo.mlp(2, 8, dtype=F64)
+    y = torch.randn(8, dtype=F64, requires_grad=True)
+    dfdz = mixedad.input_grad(cubic, G, torch.randn(0, 8, dtype=F64), y, chunk_size=2)
+    assert dfdz.shape == (0, 8)
+    dfdz.sum().backward()
+    assert torch.equal(y.grad, torch.zeros(8, dtype=F64))
+
+
+@pytest.mark.parametrize("chunk_size", [np.int64(2), torch.tensor(2), 2])
+def test_chunk_size_takes_integer_likes(chunk_size):
+    G = zoo.mlp(2, 8, dtype=F64)
+    z, y = torch.randn(4, 8, dtype=F64), torch.randn(8, dtype=F64)
+    assert_close(mixedad.input_grad(cubic, G, z, y, chunk_size=chunk_size),
+                 mixedad.input_grad(cubic, G, z, y, chunk_size=2))
+
+
+@pytest.mark.parametrize("chunk_size", [2.0, True, torch.tensor([2, 3])])
+def test_chunk_size_refuses_non_integers(chunk_size):
+    G = zoo.mlp(2, 8, dtype=F64)
+    with pytest.raises(TypeError, match=r"input_grad\(f, G, z, y\): expected chunk_size to be None or a positive int"):
+        mixedad.input_grad(cubic, G, torch.randn(4, 8, dtype=F64), torch.randn(8, dtype=F64), chunk_size=chunk_size)
+
+
+def test_eval_batch_norm_rule_on_an_empty_one_dimensional_input():
+    mean, var = torch.zeros(0, dtype=F64), torch.ones(0, dtype=F64)
+    G = lambda x: F.batch_norm(x, mean, var)  # noqa: E731
+    z = torch.randn(0, dtype=F64)
+    assert mixedad.mixed_grad(cubic, G, z, torch.randn(0, dtype=F64)).shape == (0,)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+@pytest.mark.parametrize("command", ["demo", "profile"])
+def test_cli_without_cuda_says_so(command):
+    with pytest.raises(SystemExit, match=f"python -m mixedad {command}: --device cuda, but no CUDA device"):
+        main([command, "--device", "cuda"])
+
+
+@pytest.mark.parametrize("make_out", ["file", "unwritable"])
+def test_profile_checks_out_before_the_sweep(tmp_path, monkeypatch, make_out):
+    from mixedad import benchmark
+
+    def sweep(*args, **kwargs):
+        raise AssertionError("the sweep ran before --out was checked")
+
+    monkeypatch.setattr(benchmark, "profile", sweep)
+    if make_out == "file":
+        out = tmp_path / "results.json"
+        out.write_text("{}")
+        message = "exists and is not a folder"
+    else:
+        out = tmp_path / "a-file" / "below"
+        (tmp_path / "a-file").write_text("")
+        message = "cannot write to --out"
+    with pytest.raises(SystemExit, match=message):
+        main(["profile", "--depths", "2", "--out", str(out)])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_demo_runs_in_half_precision(dtype, capsys):
+    main(["demo", "--dtype", dtype, "--depth", "2", "--width", "8", "--batch", "4", "--repeats", "1"])
+    assert "mixedad.mixed_grad" in capsys.readouterr().out
