@@ -30,6 +30,7 @@ different random numbers than eager replays would.
 """
 import contextlib
 import re
+import threading
 import warnings
 
 import torch
@@ -264,6 +265,17 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None):
         if recorder is not None:
             recorder.fallback = "strategy='reverse'"
         return _reverse(call, G, zs, vs)
+    with FORWARD_PASS_LOCK:
+        return _push_forward(call, G, zs, vs, strategy, recorder)
+
+
+#: PyTorch keeps one forward-AD level for the whole process (``forward_ad._current_level``), so
+#: two threads in forward mode at once would see each other's level. mixedad's forward passes
+#: take turns; a pass nested in the same thread still sees its own level (reentrant lock).
+FORWARD_PASS_LOCK = threading.RLock()
+
+
+def _push_forward(call, G, zs, vs, strategy, recorder):
     if forward_ad._current_level >= 0 and not in_functorch_transform():
         # PyTorch has one forward-AD level: inside the caller's own dual_level() neither dual
         # tensors nor torch.func.jvp can open another.

@@ -80,3 +80,32 @@ def test_vmap_over_mixed_grad_still_returns_no_graph():
     rows = torch.func.vmap(lambda v: mixedad.mixed_grad(cubic, G, z, y, v))(V)
     assert not rows.requires_grad
     assert_close(rows[1], double_backward_mixed_grad(cubic, G, z, y.detach(), V[1]))
+
+
+def test_threads_calling_at_once_get_forward_mode_and_the_right_numbers():
+    """Two threads for real, 2 x 40 calls: no collision, no whole-G fallback (its warning is an error here)."""
+    import threading
+    import warnings
+
+    G, z, y, v = problem()
+    expected = double_backward_mixed_grad(cubic, G, z, y, v)
+    errors, results = [], []
+
+    def work():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                for _ in range(40):
+                    results.append(mixedad.mixed_grad(cubic, G, z, y, v, strategy="forward"))
+        except Exception as error:  # noqa: BLE001  (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(results) == 80
+    for r in results:
+        assert_close(r, expected)

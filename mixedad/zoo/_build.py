@@ -10,7 +10,7 @@ from torch.autograd import forward_ad
 
 from mixedad._function_hook import routing
 from mixedad.op_rules import ATTENTION, FROZEN, OpRules
-from mixedad.tangents import differentiable_attention
+from mixedad.tangents import FORWARD_PASS_LOCK, differentiable_attention
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
              nn.ConvTranspose3d)
@@ -56,7 +56,7 @@ def _calibrate(module, input_shape):
         # PyTorch's own formulas where they exist, so calibration does not depend on the fast
         # layer kernels; the local rule and written formulas where they do not (custom ops, cdist).
         rules = OpRules("zoo calibration", skip=(FROZEN, ATTENTION))
-        with differentiable_attention(), forward_ad.dual_level(), rules, routing(rules):
+        with FORWARD_PASS_LOCK, differentiable_attention(), forward_ad.dual_level(), rules, routing(rules):
             module(forward_ad.make_dual(torch.randn(input_shape), torch.randn(input_shape)))
     finally:
         for handle in handles:
