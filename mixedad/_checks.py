@@ -242,3 +242,24 @@ def check_devices(call, G, zs, y_leaves):
                 f"{call}: G's {name} is on {t.device} but z is on {device}; move G with "
                 f"G.to({str(device)!r}) or z with z.to({str(t.device)!r})."
             )
+
+
+def y_aliases(y_leaves):
+    """One tensor per leaf of y to differentiate f with: each leaf is an argument of its own.
+
+    Where y holds one tensor twice, each position gets the partial derivative through that
+    position, whether the tensor requires grad or not (as ``torch.func.grad`` treats arguments).
+    A leaf that requires grad is used through a view, so a result taken with ``create_graph``
+    stays connected to its history.
+    """
+    return [leaf.view_as(leaf) if leaf.requires_grad else leaf.detach().requires_grad_() for leaf in y_leaves]
+
+
+def check_v_constant(call, vs, create_graph):
+    """Refuse a v that requires grad when the result is to carry a graph: its dependence on v would be lost."""
+    if create_graph and not in_functorch_transform() and any(vi.requires_grad for vi in vs):
+        raise ValueError(
+            f"{call}: v requires grad and create_graph=True, but mixedad's result is not differentiable "
+            f"with respect to v: that would need a reverse pass through G, which this method avoids. "
+            f"Pass v.detach(), or use mixedad.reference.double_backward_mixed_grad for derivatives in v."
+        )

@@ -34,9 +34,7 @@ def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves,
     if in_functorch_transform():
         return _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph)
     with torch.enable_grad():
-        # Aliases of y that require grad; a leaf that already does is used as is, so that
-        # create_graph=True connects the result to its history.
-        y_work = [leaf if leaf.requires_grad else leaf.detach().requires_grad_() for leaf in y_leaves]
+        y_work = _checks.y_aliases(y_leaves)
         g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]
         out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_work, g_spec))
         _checks.check_scalar_output(call, out)

@@ -41,7 +41,8 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
             (``G(*z)``). Batch dimensions may sit anywhere; z is treated as one point. z is a
             constant here: the result carries no graph to z.
         y: floating-point tensor, or a tuple, list or dict (nested freely) of them. Leaves
-            need not require grad.
+            need not require grad. Each leaf is an argument of its own: where y holds one tensor
+            twice, each position gets the partial derivative through that position.
         v: tangent with z's structure, shapes, dtypes and device. Defaults to ones, which
             gives ∂/∂y of the sum of all entries of ∂f/∂z.
         create_graph: keyword-only. If True, the result is differentiable further with
@@ -62,7 +63,8 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
     Raises:
         TypeError: f or G not callable; z, v or a leaf of y not a floating-point tensor;
             v of another dtype; f not returning a floating-point tensor.
-        ValueError: v of another shape or device; f returning more than one element; y empty;
+        ValueError: v of another shape or device; v requiring grad with create_graph=True (the
+            result is not differentiable in v); f returning more than one element; y empty;
             z, y or G on different devices; an unknown strategy.
         RuntimeError: strategy="forward" and G needs the whole-G fallback; an op of G whose
             tangent can be computed neither by forward mode nor by reverse mode (a custom
@@ -83,6 +85,7 @@ def _mixed_grad(call, f, G, z, y, v, create_graph, strategy):
     zs, y_leaves, y_spec, vs = _checks.mixed_args(call, f, G, z, y, v)
     _checks.check_no_forward_tangents(call, [*zs, *y_leaves, *vs])
     _checks.check_strategy(call, strategy)
+    _checks.check_v_constant(call, vs, create_graph)
     G = eager(G)
     _checks.check_devices(call, G, zs, y_leaves)
     g_leaves, tangent_leaves, g_spec = push_tangent(call, G, zs, vs, strategy=strategy)

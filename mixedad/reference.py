@@ -49,7 +49,7 @@ def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
 
     with torch.enable_grad(), differentiable_attention():
         z_work = [zi.detach().requires_grad_() for zi in zs]
-        y_work = [leaf if leaf.requires_grad else leaf.detach().requires_grad_() for leaf in y_leaves]
+        y_work = _checks.y_aliases(y_leaves)
         out = f(tree_unflatten(y_work, y_spec), G(*z_work))
         _checks.check_scalar_output(call, out)
         out = out.reshape(())

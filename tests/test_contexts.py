@@ -1,4 +1,5 @@
 """Contexts a call may be made in: reverse mode's meaning, or mixedad's own error (issue: no silent wrong answers)."""
+import pytest
 import torch
 
 import mixedad
@@ -109,3 +110,25 @@ def test_threads_calling_at_once_get_forward_mode_and_the_right_numbers():
     assert len(results) == 80
     for r in results:
         assert_close(r, expected)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_one_tensor_twice_in_y_gives_per_position_partials(requires_grad):
+    """The same answer whether the repeated leaf requires grad or not: as with two distinct copies."""
+    G, z, _, v = problem()
+    t = torch.randn(3, 4, dtype=F64, requires_grad=requires_grad)
+
+    def f(y, g):
+        return ((y["a"] + g) ** 3).sum() + (y["b"] * g.sin()).sum()
+
+    separate = {"a": t.detach().clone(), "b": t.detach().clone()}
+    expected = double_backward_mixed_grad(f, G, z, separate, v)
+    for compute in (mixedad.mixed_grad, double_backward_mixed_grad):
+        result = compute(f, G, z, {"a": t, "b": t}, v)
+        assert_close(result, expected)
+
+
+def test_v_requiring_grad_with_create_graph_is_refused():
+    G, z, y, v = problem()
+    with pytest.raises(ValueError, match=r"mixed_grad\(f, G, z, y\): v requires grad and create_graph=True"):
+        mixedad.mixed_grad(cubic, G, z, y, v.requires_grad_(), create_graph=True)
