@@ -117,7 +117,41 @@ def gradient_chunk(f, G, z_chunks, y_leaves, y_spec):
             grads = torch.autograd.grad(
                 [g for g, _ in pairs], z_work, grad_outputs=[d for _, d in pairs], allow_unused=True
             )
-    return [torch.zeros_like(zc) if d is None else d for d, zc in zip(grads, z_chunks)]
+    pieces = [torch.zeros_like(zc) if d is None else d for d, zc in zip(grads, z_chunks)]
+    return pieces, ([leaf.detach() for leaf in g_leaves], g_spec, out.detach().reshape(()))
+
+
+def check_sum_over_codes(f, y_leaves, y_spec, first, second):
+    r"""Refuse an f that is not a sum over latent codes, which chunking would silently change.
+
+    .. math::
+
+        fig(y, [g_1; g_2]ig) \overset{?}{=} f(y, g_1) + f(y, g_2)
+
+    for the outputs of the first two chunks joined along dim 0. f is cheap; the random state
+    is restored afterwards. Outputs that cannot be joined along dim 0 are not checked.
+    """
+    (g1, spec, f1), (g2, _, f2) = first, second
+    if any(a.dim() == 0 or a.shape[1:] != b.shape[1:] for a, b in zip(g1, g2)):
+        return
+    rng = RngState()
+    try:
+        with torch.no_grad():
+            joined = f(tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec),
+                       tree_unflatten([torch.cat([a, b]) for a, b in zip(g1, g2)], spec)).reshape(())
+    finally:
+        rng.restore()
+    total = f1 + f2
+    tolerance = {torch.float64: 1e-10, torch.float32: 1e-5}.get(total.dtype, 1e-2)
+    scale = max(f1.abs().item() + f2.abs().item(), torch.finfo(torch.float64).tiny)
+    if not abs(joined.item() - total.item()) <= tolerance * scale:
+        raise ValueError(
+            f"{CALL}: f is not a sum over latent codes: on the first two chunks joined it gives "
+            f"{joined.item():.6g}, but the two chunks apart sum to {total.item():.6g}. With chunk_size, "
+            f"input_grad differentiates the sum over chunks of f, a different objective here (f "
+            f"averages or couples codes, e.g. g.mean() or g - g.mean(0)). Use chunk_size=None, or "
+            f"write f as a sum over codes (a mean over N codes: a sum divided by N)."
+        )
 
 
 class _InputGrad(torch.autograd.Function):
@@ -127,11 +161,17 @@ class _InputGrad(torch.autograd.Function):
         ctx.meta = meta
         ctx.save_for_backward(*tensors)
         outs = [torch.empty_like(zi) for zi in zs] if len(meta.chunks) > 1 else None
+        seen = []  # the first two chunks' outputs and values, to check that f sums over codes
         for c in meta.chunks:
             meta.rng.append(RngState())
-            pieces = gradient_chunk(meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec)
+            pieces, evaluated = gradient_chunk(meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec)
             if outs is None:
                 return tuple(pieces)
+            if len(seen) < 2:
+                seen.append(evaluated)
+                if len(seen) == 2:
+                    check_sum_over_codes(meta.f, y_leaves, meta.y_spec, *seen)
+                    seen[:] = [None, None]  # checked: let the two outputs go
             for out, piece in zip(outs, pieces):
                 out[c] = piece  # filled chunk by chunk: one copy of the result, not two
         return tuple(outs)

@@ -132,3 +132,25 @@ def test_v_requiring_grad_with_create_graph_is_refused():
     G, z, y, v = problem()
     with pytest.raises(ValueError, match=r"mixed_grad\(f, G, z, y\): v requires grad and create_graph=True"):
         mixedad.mixed_grad(cubic, G, z, y, v.requires_grad_(), create_graph=True)
+
+
+@pytest.mark.parametrize("f", [lambda y, g: ((y + g) ** 3).mean(), lambda y, g: ((y + g - g.mean(0)) ** 3).sum()],
+                         ids=["mean over codes", "codes coupled"])
+def test_input_grad_refuses_chunks_when_f_is_not_a_sum_over_codes(f):
+    G, z, y, _ = problem()
+    z = torch.cat([z, z.flip(0)])  # 6 codes
+    with pytest.raises(ValueError, match=r"input_grad\(f, G, z, y\): f is not a sum over latent codes"):
+        mixedad.input_grad(f, G, z, y[0], chunk_size=2)
+    mixedad.input_grad(f, G, z, y[0])  # without chunks the objective is f itself: fine
+
+
+def test_input_grad_chunks_accept_a_sum_over_codes_and_leave_the_rng():
+    G, z, y, _ = problem()
+    f = lambda y, g: ((y + g) ** 3).sum() / 6 + torch.rand(()) * 0  # noqa: E731  (draws a random number)
+    torch.manual_seed(0)
+    ours = mixedad.input_grad(f, G, z, y[0], chunk_size=1)
+    state = torch.get_rng_state()
+    torch.manual_seed(0)
+    naive = double_backward_input_grad(f, G, z, y[0].clone().requires_grad_(), chunk_size=1)
+    assert_close(ours, naive.detach())
+    assert torch.equal(state, torch.get_rng_state())
