@@ -94,7 +94,9 @@ class _Meta:
 
     def __init__(self, f, G, y_spec, chunks, n_z, strategy):
         self.f, self.G, self.y_spec, self.chunks, self.n_z, self.strategy = f, G, y_spec, chunks, n_z, strategy
-        self.rng = []  # the random state before each chunk's forward pass, replayed by backward
+        # RNG and train-mode buffers (BatchNorm statistics, spectral norm's u and v, EMAs) before
+        # each chunk's forward pass: the backward replays each chunk from the state it saw.
+        self.states = []
 
 
 def gradient_chunk(f, G, z_chunks, y_leaves, y_spec):
@@ -163,8 +165,10 @@ class _InputGrad(torch.autograd.Function):
         outs = [torch.empty_like(zi) for zi in zs] if len(meta.chunks) > 1 else None
         seen = []  # the first two chunks' outputs and values, to check that f sums over codes
         for c in meta.chunks:
-            meta.rng.append(RngState())
-            pieces, evaluated = gradient_chunk(meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec)
+            state = Snapshot(meta.G, modules=meta.states[0].modules if meta.states else ())
+            meta.states.append(state)
+            with state.watching():
+                pieces, evaluated = gradient_chunk(meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec)
             if outs is None:
                 return tuple(pieces)
             if len(seen) < 2:
@@ -184,11 +188,12 @@ class _InputGrad(torch.autograd.Function):
         zs, y_leaves = tensors[: meta.n_z], tensors[meta.n_z :]
         grad_outs = [torch.zeros_like(zi) if g is None else g for g, zi in zip(grad_outs, zs)]
         totals = None
-        undo = Snapshot(meta.G)  # the replays below must leave no trace in RNG or buffers
+        # The replays below must leave no trace: RNG and buffers end as the forward left them.
+        undo = Snapshot(meta.G, modules=meta.states[0].modules)
         try:
             with undo.watching():
-                for c, rng in zip(meta.chunks, meta.rng):
-                    rng.restore()
+                for c, state in zip(meta.chunks, meta.states):
+                    state.restore()  # the RNG and buffers this chunk's forward pass saw
                     g_leaves, tangents, g_spec = push_tangent(
                         CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in grad_outs], strategy=meta.strategy
                     )

@@ -42,21 +42,23 @@ class Snapshot:
     """The random state and G's mutable buffers, to undo passes through G.
 
     Run the passes to undo inside ``with snapshot.watching():`` (needed when G is not an
-    ``nn.Module``, harmless otherwise), then call :meth:`restore`.
+    ``nn.Module``, harmless otherwise), then call :meth:`restore`. ``modules`` records modules
+    of a non-Module G up front (those another snapshot has seen run); :attr:`modules` lists the
+    modules recorded so far.
     """
 
-    def __init__(self, G):
+    def __init__(self, G, *, modules=()):
         self.rng = RngState()
-        self.saved, self.watched, self._seen = [], [], set()
+        self.saved, self.watched, self._seen, self.modules = [], [], set(), []
         self._upfront = isinstance(G, nn.Module)
-        if self._upfront:
-            for module in G.modules():
-                self._record(module)
+        for module in (G.modules() if self._upfront else modules):
+            self._record(module)
 
     def _record(self, module, *_):
         if id(module) in self._seen:
             return
         self._seen.add(id(module))
+        self.modules.append(module)
         for name, buf in module.named_buffers(recurse=False):
             if buf is None:
                 continue

@@ -154,3 +154,47 @@ def test_input_grad_chunks_accept_a_sum_over_codes_and_leave_the_rng():
     naive = double_backward_input_grad(f, G, z, y[0].clone().requires_grad_(), chunk_size=1)
     assert_close(ours, naive.detach())
     assert torch.equal(state, torch.get_rng_state())
+
+
+class EmaNorm(torch.nn.Module):
+    """Normalises by a running mean it updates on every train-mode forward, as EMA buffers do."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.register_buffer("ema", torch.ones(n, dtype=F64))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(0.5 * x.detach().abs().mean(0))
+        return x / self.ema.clone()  # a copy in the graph: the naive code updates ema in place later
+
+
+def buffer_changing(kind):
+    from torch import nn
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if kind == "ema":
+            return nn.Sequential(nn.Linear(4, 4), EmaNorm(4), nn.Tanh(), nn.Linear(4, 4)).to(F64).train()
+        wrap = nn.utils.parametrizations.spectral_norm if kind == "spectral_norm" else nn.utils.spectral_norm
+        return nn.Sequential(wrap(nn.Linear(4, 4)), nn.Tanh(), wrap(nn.Linear(4, 4))).to(F64).train()
+
+
+@pytest.mark.parametrize("as_function", [False, True], ids=["module", "function around modules"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "spectral_norm_hooks", "ema"])
+def test_input_grad_replays_each_chunk_from_the_buffers_it_saw(kind, as_function):
+    """Spectral norm's power iteration and EMAs move buffers on every train-mode forward."""
+    import copy
+
+    G = buffer_changing(kind)
+    naive = copy.deepcopy(G)
+    z, w = torch.randn(6, 4, dtype=F64), torch.randn(6, 4, dtype=F64)
+    y_ours = torch.randn(4, dtype=F64, requires_grad=True)
+    y_naive = y_ours.detach().clone().requires_grad_()
+    call = (lambda z_: G(z_)) if as_function else G
+    (mixedad.input_grad(cubic, call, z, y_ours, chunk_size=2) * w).sum().backward()
+    (double_backward_input_grad(cubic, naive, z, y_naive, chunk_size=2) * w).sum().backward()
+    assert_close(y_ours.grad, y_naive.grad)
+    for (name, ours), (_, theirs) in zip(G.named_buffers(), naive.named_buffers()):
+        assert torch.equal(ours, theirs), name  # the buffers end as after the naive code
