@@ -10,7 +10,7 @@ import operator
 import torch
 
 from mixedad._transforms import in_functorch_transform
-from mixedad._trees import describe, tree_flatten
+from mixedad._trees import describe, keystr, tree_flatten, tree_flatten_with_path
 
 
 def check_callable(call, name, obj):
@@ -25,6 +25,14 @@ def check_float_tensor(call, name, obj):
     if not isinstance(obj, torch.Tensor):
         raise TypeError(f"{call}: expected {name} to be a tensor, got {describe(obj)}.")
     if not obj.is_floating_point():
+        if not obj.is_complex() and obj.dtype != torch.bool and name.startswith("z"):
+            raise TypeError(
+                f"{call}: expected {name} to be a real floating-point tensor, got dtype {obj.dtype}. "
+                f"There is no derivative with respect to integer indices (an nn.Embedding's input, "
+                f"say), so converting them would not help: differentiate with respect to the "
+                f"floating-point vectors instead, e.g. G = lambda e: rest_of_G(e) with "
+                f"z = embedding(indices).detach()."
+            )
         raise TypeError(
             f"{call}: expected {name} to be a real floating-point tensor, got dtype "
             f"{obj.dtype}. Convert it, e.g. {name}.to(torch.float32)."
@@ -36,9 +44,8 @@ def flatten_y(call, y):
     leaves, spec = tree_flatten(y)
     if not leaves:
         raise ValueError(f"{call}: expected y to hold at least one tensor, got an empty {describe(y)}.")
-    for i, leaf in enumerate(leaves):
-        name = "y" if isinstance(y, torch.Tensor) else f"y's leaf {i}"
-        check_float_tensor(call, name, leaf)
+    for path, leaf in tree_flatten_with_path(y)[0]:
+        check_float_tensor(call, "y" + keystr(path), leaf)  # y['k'], y[0][1]: names that are Python
     return leaves, spec
 
 
@@ -223,15 +230,23 @@ def check_no_foreign_leaves(call, out, allowed):
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
-def check_devices(call, G, zs, y_leaves):
+def leaf_names(prefix, spec):
+    """Python names of a pytree's leaves: ``y``, ``y[1]``, ``y['k']`` (for messages)."""
+    from mixedad._trees import tree_unflatten
+
+    indexed = tree_unflatten(list(range(spec.num_leaves)), spec)
+    return [prefix + keystr(path) for path, _ in tree_flatten_with_path(indexed)[0]]
+
+
+def check_devices(call, G, zs, y_leaves, y_spec):
     """z, y's leaves and G's parameters and buffers must share a device (0-d CPU tensors aside)."""
     from torch import nn
 
     device = zs[0].device
-    for i, leaf in enumerate(y_leaves):
+    for name, leaf in zip(leaf_names("y", y_spec), y_leaves):
         if leaf.device != device and not (leaf.dim() == 0 and leaf.device.type == "cpu"):
             raise ValueError(
-                f"{call}: y's leaf {i} is on {leaf.device} but z is on {device}; move them to one device."
+                f"{call}: {name} is on {leaf.device} but z is on {device}; move them to one device."
             )
     if isinstance(G, nn.Module):
         # One tensor tells where the module lives; mixed placements are G's own business.

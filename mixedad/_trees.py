@@ -9,6 +9,8 @@ tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 tree_leaves = _pytree.tree_leaves
 tree_map = _pytree.tree_map
+tree_flatten_with_path = _pytree.tree_flatten_with_path
+keystr = _pytree.keystr
 
 
 def describe(obj):

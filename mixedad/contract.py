@@ -36,7 +36,8 @@ def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves,
     with torch.enable_grad():
         y_work = _checks.y_aliases(y_leaves)
         g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]
-        out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_work, g_spec))
+        g_in = [leaf.clone() for leaf in g_work]  # f may write into g (g.mul_(2)), as it may in the naive code
+        out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
         _checks.check_scalar_output(call, out)
         out = out.reshape(())
         df_dg = torch.autograd.grad(out, g_work, create_graph=True, allow_unused=True) if out.requires_grad else []
@@ -55,7 +56,7 @@ def _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_s
         y_tree = tree_unflatten(list(y_work), y_spec)
 
         def f_of_g(*g_work):
-            out = f(y_tree, tree_unflatten(list(g_work), g_spec))
+            out = f(y_tree, tree_unflatten([g.clone() for g in g_work], g_spec))  # f may write into g
             _checks.check_scalar_output(call, out)
             return out.reshape(())
 

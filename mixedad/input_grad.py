@@ -82,7 +82,7 @@ def input_grad(f, G, z, y, *, chunk_size=None, strategy="auto"):
     _checks.check_no_forward_tangents(CALL, [*zs, *y_leaves])
     _checks.check_strategy(CALL, strategy)
     G = eager(G)
-    _checks.check_devices(CALL, G, zs, y_leaves)
+    _checks.check_devices(CALL, G, zs, y_leaves, y_spec)
     chunks = _checks.chunk_slices(CALL, zs, chunk_size)
     meta = _Meta(f, G, y_spec, chunks, len(zs), strategy)
     out = _InputGrad.apply(meta, *zs, *y_leaves)
@@ -108,8 +108,9 @@ def gradient_chunk(f, G, z_chunks, y_leaves, y_spec):
         z_work = [zc.detach().requires_grad_() for zc in z_chunks]
         g_leaves, g_spec = tree_flatten(frozen(G)(*z_work))
         g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]
+        g_in = [leaf.clone() for leaf in g_work]  # f may write into g (g.mul_(2)), as it may in the naive code
         y_work = [leaf.detach().requires_grad_() for leaf in y_leaves]
-        out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_work, g_spec))
+        out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
         _checks.check_scalar_output(CALL, out)
         _checks.check_no_foreign_leaves(CALL, out, y_work + g_work)
         df_dg = torch.autograd.grad(out.reshape(()), g_work, allow_unused=True) if out.requires_grad else [None] * len(g_work)

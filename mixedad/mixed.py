@@ -87,7 +87,7 @@ def _mixed_grad(call, f, G, z, y, v, create_graph, strategy):
     _checks.check_strategy(call, strategy)
     _checks.check_v_constant(call, vs, create_graph)
     G = eager(G)
-    _checks.check_devices(call, G, zs, y_leaves)
+    _checks.check_devices(call, G, zs, y_leaves, y_spec)
     g_leaves, tangent_leaves, g_spec = push_tangent(call, G, zs, vs, strategy=strategy)
     result = contract_f_with_tangent(
         call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph=create_graph

@@ -202,8 +202,9 @@ def finite_difference_mixed_directional(f, G, z, y, v=None, *, w, eps=1e-4):
     w_leaves, w_spec = _checks.flatten_y(call, w)
     if w_spec != y_spec:
         raise ValueError(f"{call}: expected w to have y's structure {y_spec}, got {w_spec}.")
-    for i, (wl, yl) in enumerate(zip(w_leaves, y_leaves)):
-        _checks.check_like(call, f"w's leaf {i}", wl, yl, f"y's leaf {i}")
+    for w_name, y_name, wl, yl in zip(_checks.leaf_names("w", w_spec), _checks.leaf_names("y", y_spec),
+                                      w_leaves, y_leaves):
+        _checks.check_like(call, w_name, wl, yl, y_name)
     with torch.no_grad():
         difference = _second_difference(call, f, y_spec, *_shifted_outputs(G, zs, vs, eps), eps)
         return difference(y_leaves, w_leaves)

@@ -89,9 +89,13 @@ def frozen(G):
     For an ``nn.Module``, the call goes through ``torch.func.functional_call`` with detached
     parameters: autograd then neither records G's parameters nor keeps the activations their
     gradients would need, and the module's requires_grad flags are never touched. Other
-    callables are returned as they are.
+    callables, and ``torch.jit.script``'ed modules, are returned as they are.
     """
     if not isinstance(G, nn.Module):
+        return G
+    if isinstance(G, torch.jit.ScriptModule):
+        # functional_call cannot enter a scripted module: it runs as it is. torch.autograd.grad
+        # still writes no .grad; only the graph through its parameters is kept as well.
         return G
 
     def call(*args):

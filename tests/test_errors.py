@@ -30,7 +30,7 @@ BAD = [
     (dict(z=3.0), TypeError, r"expected z to be a tensor, got float"),
     (dict(z=torch.ones(5, 8, dtype=torch.long)), TypeError, r"expected z to be a real floating-point tensor, got dtype torch.int64"),
     (dict(y=torch.ones(5, 8, dtype=torch.int32)), TypeError, r"expected y to be a real floating-point tensor, got dtype torch.int32"),
-    (dict(y={"a": Y, "b": 2.0}), TypeError, r"expected y's leaf 1 to be a tensor, got float"),
+    (dict(y={"a": Y, "b": 2.0}), TypeError, r"expected y\['b'\] to be a tensor, got float"),
     (dict(y=()), ValueError, r"expected y to hold at least one tensor"),
     (dict(v=torch.ones(5, 9, dtype=F64)), ValueError, r"v must have z's shape \(5, 8\), got \(5, 9\)"),
     (dict(v=torch.ones(5, 8, dtype=torch.float32)), TypeError, r"v must have z's dtype torch.float64, got torch.float32"),

@@ -228,5 +228,5 @@ def test_directional_finite_difference_checks_w():
     with pytest.raises(ValueError, match=r"finite_difference_mixed_directional\(f, G, z, y\): expected w to have y's structure"):
         finite_difference_mixed_directional(f, G, z, y, v, w=[y["A"]])
     bad = dict(y, b=torch.zeros(5, dtype=F64))
-    with pytest.raises(ValueError, match=r"w's leaf 1 must have y's leaf 1's shape \(4,\), got \(5,\)"):
+    with pytest.raises(ValueError, match=r"w\['b'\] must have y\['b'\]'s shape \(4,\), got \(5,\)"):
         finite_difference_mixed_directional(f, G, z, y, v, w=bad)

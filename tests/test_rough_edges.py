@@ -87,3 +87,40 @@ def test_profile_checks_out_before_the_sweep(tmp_path, monkeypatch, make_out):
 def test_demo_runs_in_half_precision(dtype, capsys):
     main(["demo", "--dtype", dtype, "--depth", "2", "--width", "8", "--batch", "4", "--repeats", "1"])
     assert "mixedad.mixed_grad" in capsys.readouterr().out
+
+
+def test_f_that_writes_into_g():
+    from mixedad.reference import double_backward_input_grad
+
+    G = zoo.mlp(2, 4, dtype=F64)
+    z, y = torch.randn(3, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    f = lambda y, g: ((y + g.mul_(2)) ** 3).sum()  # noqa: E731
+    expected = double_backward_mixed_grad(f, G, z, y)
+    assert_close(mixedad.mixed_grad(f, G, z, y), expected)
+    assert_close(torch.func.vmap(lambda v: mixedad.mixed_grad(f, G, z, y, v))(torch.ones(2, 3, 4, dtype=F64))[1], expected)
+    assert_close(mixedad.input_grad(f, G, z, y), double_backward_input_grad(f, G, z, y))
+
+
+def test_scripted_generator_in_input_grad():
+    from mixedad.reference import double_backward_input_grad
+
+    G = zoo.mlp(2, 4, dtype=F64)
+    z, y = torch.randn(3, 4, dtype=F64), torch.randn(4, dtype=F64, requires_grad=True)
+    ours = mixedad.input_grad(cubic, torch.jit.script(G), z, y)
+    assert_close(ours, double_backward_input_grad(cubic, G, z, y.detach().clone().requires_grad_()))
+    ours.sum().backward()
+    assert all(p.grad is None for p in G.parameters())
+
+
+def test_integer_z_gets_advice_about_indices_not_a_conversion():
+    embedding = torch.nn.Embedding(10, 4).to(F64)
+    with pytest.raises(TypeError, match="no derivative with respect to integer indices"):
+        mixedad.mixed_grad(cubic, embedding, torch.tensor([1, 2, 3]), torch.randn(3, 4, dtype=F64))
+
+
+def test_a_dict_leaf_is_named_as_python_would():
+    G = zoo.mlp(2, 4, dtype=F64)
+    with pytest.raises(TypeError, match=r"expected y\['k'\] to be a real floating-point tensor, got dtype "
+                                        r"torch.int64. Convert it, e.g. y\['k'\].to\(torch.float32\)"):
+        mixedad.mixed_grad(lambda y, g: (y["k"] * g).sum(), G, torch.randn(3, 4, dtype=F64),
+                           {"k": torch.ones(3, 4, dtype=torch.int64)})
