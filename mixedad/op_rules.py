@@ -58,6 +58,7 @@ from mixedad._formulas import cdist_rule, group_norm_rule
 from mixedad._frozen_layers import WEIGHTED, batch_norm_eval_rule, weighted_rule
 from mixedad._function_hook import original_apply
 from mixedad._local_rule import local_jvp
+from mixedad._no_grad_regions import inside_region, primals
 from mixedad._transforms import in_functorch_transform
 from mixedad._trees import tree_flatten
 
@@ -288,6 +289,8 @@ class OpRules(TorchFunctionMode):
     def custom_function(self, cls, args, kwargs):
         """The dispatch for ``cls.apply(*args, **kwargs)``, a custom autograd.Function."""
         name = f"{cls.__qualname__} (custom Function)"
+        if inside_region():  # a torch.no_grad() region of G: a constant, as in reverse mode
+            return original_apply(cls, *primals(args), **primals(kwargs))
         if cls is CheckpointFunction:
             if self.recorder is not None:
                 self.recorder.add("torch.utils.checkpoint (reentrant)", FORWARD, "run directly: no recomputation needed")

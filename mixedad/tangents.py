@@ -39,6 +39,7 @@ from torch.autograd import forward_ad
 from torch.func import functional_call, jvp, vjp
 
 from mixedad._double_vjp import OpRuleError, double_vjp
+from mixedad import _no_grad_regions as no_grad_regions
 from mixedad._function_hook import routing
 from mixedad._local_rule import NeedsWholeG
 from mixedad._transforms import in_functorch_transform
@@ -188,7 +189,7 @@ def _forward(call, G, zs, vs, rules):
         stack.enter_context(forward_ad.dual_level())
         duals = [forward_ad.make_dual(_own_memory(z), _own_memory(v)) for z, v in zip(zs, vs)]
         if rules is not None:
-            with rules, routing(rules):
+            with rules, routing(rules), no_grad_regions.tracking():
                 out = G(*duals)
         else:
             out = G(*duals)

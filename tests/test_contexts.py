@@ -198,3 +198,40 @@ def test_input_grad_replays_each_chunk_from_the_buffers_it_saw(kind, as_function
     assert_close(y_ours.grad, y_naive.grad)
     for (name, ours), (_, theirs) in zip(G.named_buffers(), naive.named_buffers()):
         assert torch.equal(ours, theirs), name  # the buffers end as after the naive code
+
+
+def no_grad_inside(kind):
+    net, net2 = zoo.mlp(2, 4, dtype=F64, seed=1), zoo.mlp(2, 4, dtype=F64, seed=2)
+
+    @torch.no_grad()
+    def constant(z):
+        return net2(z).sin()
+
+    def with_block(z):
+        with torch.no_grad():
+            c = net2(z) ** 2
+        return net(z) + c
+
+    from tests.op_rule_generators import SinWithoutJvp
+
+    def custom_function_inside(z):
+        with torch.no_grad():
+            c = SinWithoutJvp.apply(net2(z))
+        return net(z) * c
+
+    return {"block": with_block, "decorator": lambda z: net(z) * constant(z),
+            "custom Function": custom_function_inside}[kind]
+
+
+@pytest.mark.parametrize("kind", ["block", "decorator", "custom Function"])
+def test_no_grad_region_inside_G_is_a_constant_as_in_reverse_mode(kind):
+    G = no_grad_inside(kind)
+    _, z, y, v = problem()
+    expected = double_backward_mixed_grad(cubic, G, z, y, v)
+    assert_close(mixedad.mixed_grad(cubic, G, z, y, v), expected)
+    w = torch.randn(3, 4, dtype=F64)
+    y_ours, y_naive = y[0].clone().requires_grad_(), y[0].clone().requires_grad_()
+    (mixedad.input_grad(cubic, G, z, y_ours, chunk_size=1) * w).sum().backward()
+    (double_backward_input_grad(cubic, G, z, y_naive, chunk_size=1) * w).sum().backward()
+    assert_close(y_ours.grad, y_naive.grad)
+    assert torch.no_grad.__enter__.__module__ == "torch.autograd.grad_mode"  # restored after the pass

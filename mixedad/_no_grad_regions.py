@@ -1,0 +1,80 @@
+"""``torch.no_grad()`` regions inside G: constants, as in reverse mode.
+
+Forward-mode AD ignores ``no_grad`` (documented upstream): a tangent flows through a
+``with torch.no_grad():`` block inside G, while double backward treats the block's results as
+constants. mixedad follows reverse mode. While its forward pass runs G in a thread,
+``torch.no_grad``'s ``__enter__`` and ``__exit__`` are routed here (the class attributes are
+replaced while at least one pass needs them, and restored afterwards; other threads see the
+original behaviour). Inside a region, :class:`StripTangents` hands every torch function the
+primals of its arguments, so what the region computes carries no tangent, and custom Functions
+run on primals (see :func:`inside_region`). The decorator form, ``@torch.no_grad()``, goes
+through the same methods.
+"""
+import contextlib
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mixedad._duals import unpack
+from mixedad._trees import tree_map
+
+_no_grad = torch.autograd.grad_mode.no_grad
+_ORIGINAL_ENTER, _ORIGINAL_EXIT = _no_grad.__enter__, _no_grad.__exit__
+_local = threading.local()
+_lock = threading.Lock()
+_users = 0
+
+
+def primals(tree):
+    """``tree`` with every dual tensor replaced by its primal."""
+    return tree_map(lambda t: unpack(t)[0] if isinstance(t, torch.Tensor) and t.layout == torch.strided else t, tree)
+
+
+class StripTangents(TorchFunctionMode):
+    """Torch functions see primals only: their results carry no tangent."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = primals((args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def inside_region():
+    """Whether this thread is inside a ``torch.no_grad()`` region of G during a mixedad pass."""
+    return bool(getattr(_local, "regions", None))
+
+
+def _enter(self):
+    _ORIGINAL_ENTER(self)
+    regions = getattr(_local, "regions", None)
+    if regions is not None:
+        mode = StripTangents()
+        mode.__enter__()
+        regions.append(mode)
+
+
+def _exit(self, *exc):
+    regions = getattr(_local, "regions", None)
+    if regions:
+        regions.pop().__exit__(*exc)
+    _ORIGINAL_EXIT(self, *exc)
+
+
+@contextlib.contextmanager
+def tracking():
+    """Treat ``torch.no_grad()`` regions that G opens in this thread as constants."""
+    global _users
+    with _lock:
+        if _users == 0:
+            _no_grad.__enter__, _no_grad.__exit__ = _enter, _exit
+        _users += 1
+    previous = getattr(_local, "regions", None)
+    _local.regions = []
+    try:
+        yield
+    finally:
+        _local.regions = previous
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                _no_grad.__enter__, _no_grad.__exit__ = _ORIGINAL_ENTER, _ORIGINAL_EXIT
