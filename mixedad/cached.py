@@ -2,7 +2,7 @@
 import torch
 
 from mixedad._checks import check_callable, check_chunk_size
-from mixedad.state import RngState, Snapshot
+from mixedad.state import Snapshot
 
 __all__ = ["cached_backward"]
 
@@ -25,9 +25,10 @@ def cached_backward(f, inputs, g, *, chunk_size=1):
     leaves that require grad, exactly as ``g(torch.stack([f(x) for x in inputs])).backward()``
     would. Peak memory: one chunk's graph instead of all n, plus Z.
 
-    **State.** Pass 2 sees what pass 1 saw: the random state (CPU and CUDA) recorded before each
-    chunk is replayed, so dropout draws the same masks, and BatchNorm in train mode normalises
-    with the same batch statistics. Afterwards the running statistics, ``num_batches_tracked``
+    **State.** Pass 2 sees what pass 1 saw: the random state (CPU and CUDA) and the buffers of
+    train-mode modules recorded before each chunk are replayed, so dropout draws the same masks,
+    BatchNorm in train mode normalises with the same batch statistics, and spectral norm's
+    ``u``/``v`` and EMA buffers hold the values pass 1 used. Afterwards the running statistics, ``num_batches_tracked``
     and the RNG are as pass 1, that is the naive code, left them: pass 2's updates are undone
     (see :mod:`mixedad.state`; f may be any callable, its modules are found as they run).
 
@@ -60,12 +61,14 @@ def cached_backward(f, inputs, g, *, chunk_size=1):
         raise ValueError(f"{CALL}: expected at least one input, got none.")
     chunks = [inputs[i : i + step] for i in range(0, len(inputs), step)]
 
-    rng_before = []
+    states = []  # RNG and train-mode buffers before each chunk of pass 1, replayed by pass 2
     outputs = []
     with torch.no_grad():
         for chunk in chunks:
-            rng_before.append(RngState())
-            outputs += [_output(f, x) for x in chunk]
+            state = Snapshot(f, modules=states[0].modules if states else ())
+            states.append(state)
+            with state.watching():
+                outputs += [_output(f, x) for x in chunk]
     Z = torch.stack(outputs).requires_grad_()
     del outputs  # one copy of the outputs from here on
     with torch.enable_grad():
@@ -76,12 +79,12 @@ def cached_backward(f, inputs, g, *, chunk_size=1):
         L.backward()
     dL_dZ = torch.zeros_like(Z) if Z.grad is None else Z.grad
     del Z
-    after_first_pass = Snapshot(f)  # after g too: g may draw random numbers of its own
+    after_first_pass = Snapshot(f, modules=states[0].modules)  # after g too: g may draw random numbers
     try:
         with after_first_pass.watching(), torch.enable_grad():
             start = 0
-            for chunk, rng in zip(chunks, rng_before):
-                rng.restore()
+            for chunk, state in zip(chunks, states):
+                state.restore()  # what this chunk saw in pass 1: its dropout masks, its buffers
                 z = torch.stack([_output(f, x) for x in chunk])
                 if z.requires_grad:
                     torch.autograd.backward(z, dL_dZ[start : start + len(chunk)])

@@ -235,3 +235,19 @@ def test_no_grad_region_inside_G_is_a_constant_as_in_reverse_mode(kind):
     (double_backward_input_grad(cubic, G, z, y_naive, chunk_size=1) * w).sum().backward()
     assert_close(y_ours.grad, y_naive.grad)
     assert torch.no_grad.__enter__.__module__ == "torch.autograd.grad_mode"  # restored after the pass
+
+
+@pytest.mark.parametrize("kind", ["spectral_norm", "spectral_norm_hooks", "ema"])
+def test_cached_backward_second_pass_sees_the_buffers_of_the_first(kind):
+    import copy
+
+    net = buffer_changing(kind)
+    naive = copy.deepcopy(net)
+    inputs = [torch.randn(4, dtype=F64) for _ in range(5)]
+    g = lambda Z: (Z.tanh() ** 2).sum()  # noqa: E731
+    mixedad.cached_backward(net, inputs, g, chunk_size=2)
+    g(torch.stack([naive(x) for x in inputs])).backward()
+    for (name, p), (_, q) in zip(net.named_parameters(), naive.named_parameters()):
+        assert_close(p.grad, q.grad, what=name)
+    for (name, ours), (_, theirs) in zip(net.named_buffers(), naive.named_buffers()):
+        assert torch.equal(ours, theirs), name
