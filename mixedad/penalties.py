@@ -16,7 +16,9 @@ class _Inject(torch.autograd.Function):
     @staticmethod
     def forward(ctx, owner, entry, h):
         ctx.owner, ctx.entry = owner, entry
-        return h.view_as(h)
+        # A copy, not a view: code after add() may modify h in place (F.relu(h, inplace=True)),
+        # which PyTorch forbids on a custom Function's view outputs.
+        return h.clone()
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -83,7 +85,11 @@ class EagerPenalties:
         self._backward_started = False
 
     def add(self, h, penalty_fn, *, weight=1.0):
-        """Take ``weight * d penalty_fn(h) / dh`` now; return h wired to add it in the backward."""
+        """Take ``weight * d penalty_fn(h) / dh`` now; return h wired to add it in the backward.
+
+        The returned tensor is a copy of h (one activation of memory), so later code may modify
+        it in place. ``weight`` is any number: int, float, numpy number or 0-d constant tensor.
+        """
         call = "EagerPenalties.add(h, penalty_fn)"
         if not isinstance(h, torch.Tensor) or not h.is_floating_point():
             raise TypeError(f"{call}: expected h to be a floating-point tensor, got {type(h).__name__}.")
@@ -94,8 +100,13 @@ class EagerPenalties:
                 raise ValueError(f"{call}: expected weight to be a constant number, got a tensor of shape "
                                  f"{tuple(weight.shape)} (requires_grad={weight.requires_grad}).")
             weight = weight.item()
-        elif not isinstance(weight, (int, float)) or isinstance(weight, bool):
-            raise TypeError(f"{call}: expected weight to be a number, got {type(weight).__name__}.")
+        elif isinstance(weight, bool):
+            raise TypeError(f"{call}: expected weight to be a number, got bool.")
+        else:
+            try:  # ints, floats, numpy numbers: anything float() takes as a number
+                weight = float(weight)
+            except (TypeError, ValueError):
+                raise TypeError(f"{call}: expected weight to be a number, got {type(weight).__name__}.") from None
         with torch.enable_grad():
             h_work = h.detach().requires_grad_()
             values = penalty_fn(h_work)

@@ -124,3 +124,29 @@ def test_a_dict_leaf_is_named_as_python_would():
                                         r"torch.int64. Convert it, e.g. y\['k'\].to\(torch.float32\)"):
         mixedad.mixed_grad(lambda y, g: (y["k"] * g).sum(), G, torch.randn(3, 4, dtype=F64),
                            {"k": torch.ones(3, 4, dtype=torch.int64)})
+
+
+def test_eager_penalties_then_an_in_place_op_and_number_like_weights():
+    from mixedad import EagerPenalties
+
+    torch.manual_seed(0)
+    net1, net2 = torch.nn.Linear(4, 4).double(), torch.nn.Linear(4, 1).double()
+    x = torch.randn(5, 4, dtype=F64)
+    penalty = lambda h: (h ** 2).sum()  # noqa: E731
+
+    def run(eager):
+        for p in (*net1.parameters(), *net2.parameters()):
+            p.grad = None
+        h = net1(x)
+        if eager:
+            ep = EagerPenalties()
+            h = ep.add(h, penalty, weight=np.float32(0.5))
+            h = ep.add(h, penalty, weight=torch.tensor(0.25, dtype=F64))
+            loss = net2(F.relu(h, inplace=True)).sum()
+        else:
+            loss = net2(F.relu(h.clone(), inplace=True)).sum() + 0.75 * penalty(h)
+        loss.backward()
+        return [p.grad.clone() for p in net1.parameters()]
+
+    for ours, naive in zip(run(True), run(False)):
+        assert_close(ours, naive)
