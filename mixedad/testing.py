@@ -3,7 +3,7 @@ import torch
 
 from mixedad._trees import tree_flatten
 
-__all__ = ["max_relative_error", "assert_close", "check_generator"]
+__all__ = ["max_relative_error", "assert_close", "check_generator", "spot_check"]
 
 #: Default relative tolerances by dtype, for comparing mixedad with a reference.
 RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -149,4 +149,79 @@ def check_generator(G, z, *, strategy="forward", rtol=None, seed=0):
             f"{reverse:.6e} (relative difference {err:.2e} > {rtol:.0e}). G loses or corrupts "
             f"forward-mode tangents; use strategy='reverse' for it."
         )
+    return err
+
+
+def spot_check(f, G, z, y, v=None, *, codes=2, strategy="auto", rtol=None, stream=None):
+    r"""Check one real call of :func:`mixedad.mixed_grad` against double backward on a few codes.
+
+    .. math::
+
+        \mathrm{max\_relative\_error}\big(\mathrm{mixed\_grad}(f, G, z_{:k}, y_{:k}, v_{:k}),\
+        \mathrm{double\_backward}(f, G, z_{:k}, y_{:k}, v_{:k})\big) \le \mathrm{rtol}
+
+    with :math:`k` = ``codes``. PyTorch's own forward-mode formulas are sometimes silently wrong
+    (pytorch#198017): this runs the call you are about to make, on the first ``codes`` latent
+    codes along z's dim 0, both ways, and prints a short report. A leaf of y (or v) is sliced
+    too when its dim 0 has z's length; others are used whole. Double backward's memory grows
+    with G's depth, which is why only a slice is checked. G's random state and buffers are
+    restored between and after the two calls, so dropout draws the same masks in both.
+
+    Args:
+        f, G, z, y, v: as for :func:`mixedad.mixed_grad` (z a tensor).
+        codes: keyword-only; how many latent codes to check (default 2).
+        strategy: keyword-only; as for :func:`mixedad.mixed_grad`.
+        rtol: keyword-only; default :data:`RTOL` for z's dtype.
+        stream: keyword-only; where the report goes (standard output by default; None prints).
+
+    Returns:
+        The relative error (a float). Raises AssertionError with the report when it exceeds rtol.
+
+    Example:
+        >>> import io, torch, mixedad
+        >>> from mixedad.testing import spot_check
+        >>> G, f = mixedad.zoo.mlp(3, 8, dtype=torch.float64), lambda y, g: ((y + g) ** 3).sum()
+        >>> z, y = torch.randn(100, 8, dtype=torch.float64), torch.randn(100, 8, dtype=torch.float64)
+        >>> spot_check(f, G, z, y, stream=io.StringIO()) < 1e-9
+        True
+    """
+    import sys
+
+    from mixedad._checks import check_float_tensor
+    from mixedad._trees import tree_map
+    from mixedad.mixed import mixed_grad
+    from mixedad.reference import double_backward_mixed_grad
+    from mixedad.state import Snapshot
+    from mixedad.tangents import eager
+
+    call = "spot_check(f, G, z, y)"
+    check_float_tensor(call, "z", z)
+    if z.dim() == 0:
+        raise ValueError(f"{call}: expected z with a dim 0 of latent codes, got a 0-d z.")
+    if isinstance(codes, bool) or not isinstance(codes, int) or codes < 1:
+        raise ValueError(f"{call}: expected codes to be a positive int, got {codes!r}.")
+    n = z.shape[0]
+    cut = lambda t: t[:codes] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n else t  # noqa: E731
+    z_s, y_s = z[:codes], tree_map(cut, y)
+    v_s = None if v is None else cut(v)
+    G = eager(G)
+    undo = Snapshot(G)
+    try:
+        with undo.watching():
+            ours = mixed_grad(f, G, z_s, y_s, v_s, strategy=strategy)
+        undo.restore()  # double backward sees the state mixed_grad saw
+        expected = double_backward_mixed_grad(f, G, z_s, y_s, v_s)
+    finally:
+        undo.restore()
+    err = max_relative_error(ours, expected)
+    if rtol is None:
+        rtol = RTOL.get(z.dtype, 1e-4)
+    verdict = "ok" if err <= rtol else "MISMATCH"
+    report = (f"{call}: {min(codes, n)} of {n} latent codes, mixed_grad (strategy={strategy!r}) against double "
+              f"backward: max relative error {err:.2e} (rtol {rtol:.0e}) {verdict}")
+    print(report, file=sys.stdout if stream is None else stream)
+    if err > rtol:
+        raise AssertionError(report + ". mixedad's tangents disagree with reverse mode on this G: run "
+                             "mixedad.tangent_report(G, z) to see which ops took which path, and use "
+                             "strategy='reverse' for G meanwhile.")
     return err

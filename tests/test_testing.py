@@ -1,10 +1,12 @@
 """mixedad.testing: relative errors that never call a NaN close."""
+import io
 import math
 
 import pytest
 import torch
 
-from mixedad.testing import assert_close, max_relative_error
+import mixedad
+from mixedad.testing import assert_close, max_relative_error, spot_check
 
 
 def test_relative_error_values():
@@ -29,3 +31,42 @@ def test_structure_mismatch_and_report():
         max_relative_error(torch.ones(2), torch.ones(3))
     with pytest.raises(AssertionError, match=r"mine: max relative error 1.000e\+00 exceeds 1.0e-09\n  leaf 0"):
         assert_close(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), what="mine")
+
+
+def test_spot_check_passes_on_an_honest_generator_and_prints_a_report():
+
+    G = mixedad.zoo.mlp(3, 8, dtype=torch.float64).train()
+    G.insert(1, torch.nn.Dropout(0.3))
+    f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
+    z, y = torch.randn(50, 8, dtype=torch.float64), torch.randn(50, 8, dtype=torch.float64)
+    out = io.StringIO()
+    state = torch.get_rng_state()
+    assert spot_check(f, G, z, y, codes=3, stream=out) < 1e-9
+    assert "3 of 50 latent codes" in out.getvalue() and "ok" in out.getvalue()
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_spot_check_catches_a_silently_wrong_formula():
+    """A custom Function whose jvp is wrong: forward mode trusts it, the spot check does not."""
+
+    class WrongJvp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            ctx.x = x
+            return x.sin()
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return grad * x.cos()
+
+        @staticmethod
+        def jvp(ctx, t):
+            return t * ctx.x.cos() * 1.5  # off by half
+
+    G = lambda z: WrongJvp.apply(z)  # noqa: E731
+    f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
+    z, y = torch.randn(10, 4, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64)
+    with pytest.raises(AssertionError, match=r"spot_check\(f, G, z, y\): 2 of 10 latent codes.*MISMATCH"):
+        spot_check(f, G, z, y, stream=io.StringIO())
