@@ -24,6 +24,7 @@ import pathlib
 import sys
 
 import torch
+from tqdm.auto import tqdm
 
 import mixedad
 from mixedad.benchmark import STRATEGIES, interleaved_times, objective, peak
@@ -115,7 +116,7 @@ def main(argv=None):
     lengths = [64, 128] if args.quick else [256, 512, 1024, 2048, 4096, 8192]
     G = mixedad.zoo.attention_stack(64, nhead=4, layers=2)
     rows = []
-    for T in lengths:
+    for T in tqdm(lengths, desc="attention by sequence length", unit="length", file=sys.stderr):
         rows += point(G, T, args.repeats, T <= args.max_baseline)
     args.out.mkdir(parents=True, exist_ok=True)
     checks = targets(rows)

@@ -39,6 +39,15 @@ def _subject(name):
     return "an op in G" if name == "G" else name
 
 
+def _hint(error):
+    """Advice for failures whose cause we can name."""
+    if "torch.compile" in str(error) or "CompiledFunction" in str(error):
+        return (" A torch.compile'd submodule inside G has no double backward; mixedad unwraps a "
+                "compiled G itself, but not compiled parts inside it: pass G with those parts eager "
+                "(module._orig_mod), or compile after computing the derivatives.")
+    return ""
+
+
 def double_vjp(call, name, outputs, inputs, tangents):
     r"""Tangents of ``outputs`` along ``tangents`` of ``inputs``, by two reverse passes.
 
@@ -69,7 +78,7 @@ def double_vjp(call, name, outputs, inputs, tangents):
         raise OpRuleError(
             f"{call}: {_subject(name)} has no usable forward-mode formula, and its backward failed too, so "
             f"mixedad cannot push a tangent through it ({error}). Give it a forward-mode rule (a jvp "
-            f"staticmethod for a custom autograd.Function)."
+            f"staticmethod for a custom autograd.Function)." + _hint(error)
         ) from error
     pairs = [(p, t) for p, t in zip(pulled, tangents) if p is not None]
     live = [(p, t) for p, t in pairs if p.requires_grad]
@@ -99,7 +108,7 @@ def double_vjp(call, name, outputs, inputs, tangents):
             raise OpRuleError(
                 f"{call}: {_subject(name)} has no usable forward-mode formula, and its backward cannot be "
                 f"differentiated ({error}). Give it a forward-mode rule (a jvp staticmethod for a "
-                f"custom autograd.Function)."
+                f"custom autograd.Function)." + _hint(error)
             ) from error
     if live and all(r is None for r in results) and any(bool(p.ne(0).any()) for p, _ in live):
         raise OpRuleError(  # J^T u is nonzero but does not depend on u: the backward cut it off

@@ -32,11 +32,11 @@ import json
 import pathlib
 import statistics
 import sys
-import time
 import warnings
 
 import torch
 from torch.autograd import forward_ad
+from tqdm.auto import tqdm
 
 from mixedad import zoo
 from mixedad.mixed import mixed_grad
@@ -185,22 +185,6 @@ def interleaved_times(fns, device, repeats):
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-class Progress:
-    """A one-line-per-step progress bar on a stream (stderr by default)."""
-
-    def __init__(self, total, stream=None, width=24):
-        self.total, self.done, self.width = total, 0, width
-        self.stream = sys.stderr if stream is None else stream
-        self.started = time.perf_counter()
-
-    def step(self, message):
-        self.done += 1
-        filled = round(self.width * self.done / self.total)
-        bar = "#" * filled + "-" * (self.width - filled)
-        elapsed = time.perf_counter() - self.started
-        print(f"[{bar}] {self.done:>3}/{self.total} {elapsed:6.1f}s  {message}", file=self.stream, flush=True)
-
-
 def profile(model, depths, *, width, batch, dtype=torch.float32, device="cpu", strategies=None,
             repeats=5, trace_dir=None, stream=None):
     r"""Run every strategy at every depth, side by side; returns one row dict per (depth, strategy).
@@ -211,8 +195,8 @@ def profile(model, depths, *, width, batch, dtype=torch.float32, device="cpu", s
         \mathrm{peak\_vs\_}b = \frac{\mathrm{peak}(s)}{\mathrm{peak}(b)}, \qquad
         b \in \{\mathrm{plain\_forward}, \mathrm{double\_backward}\}
 
-    Each row also holds ``max_rel_error`` against double backward. Progress goes to ``stream``
-    (stderr by default), one line per measurement.
+    Each row also holds ``max_rel_error`` against double backward. A tqdm progress bar (rate
+    and time left; a widget in notebooks) goes to ``stream``, stderr by default.
 
     Example:
         >>> import io
@@ -228,7 +212,8 @@ def profile(model, depths, *, width, batch, dtype=torch.float32, device="cpu", s
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"profile: expected strategies from {sorted(STRATEGIES)}, got {unknown}.")
-    progress = Progress(len(depths) * len(strategies), stream)
+    progress = tqdm(total=len(depths) * len(strategies), file=sys.stderr if stream is None else stream,
+                    desc=f"profile {model}", unit="run", leave=True)
     rows = []
     for depth in depths:
         G, z, y, v = build(model, depth, width, batch, dtype, device)
@@ -244,10 +229,12 @@ def profile(model, depths, *, width, batch, dtype=torch.float32, device="cpu", s
             point.append({"model": model, "depth": depth, "strategy": name, "seconds": seconds[name],
                           "peak_bytes": peaks[name], "width": width, "batch": batch, "dtype": str(dtype),
                           "device": str(device)})
-            progress.step(f"{model} depth {depth:<3} {name:<18} {seconds[name] * 1e3:9.2f} ms  "
-                          f"{peaks[name] / 2**20:9.2f} MiB")
+            progress.set_postfix_str(f"depth {depth} {name}: {seconds[name] * 1e3:.2f} ms, "
+                                     f"{peaks[name] / 2**20:.2f} MiB")
+            progress.update(1)
         _ratios(point, results)
         rows += point
+    progress.close()
     return rows
 
 
