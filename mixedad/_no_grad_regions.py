@@ -3,11 +3,12 @@
 Forward-mode AD ignores ``no_grad`` (documented upstream): a tangent flows through a
 ``with torch.no_grad():`` block inside G, while double backward treats the block's results as
 constants. mixedad follows reverse mode. While its forward pass runs G in a thread,
-``torch.no_grad``'s ``__enter__`` and ``__exit__`` are routed here (the class attributes are
+```torch.no_grad``'s ``__enter__`` and ``__exit__`` are routed here (the class attributes are
 replaced while at least one pass needs them, and restored afterwards; other threads see the
 original behaviour). Inside a region, :class:`StripTangents` hands every torch function the
-primals of its arguments, so what the region computes carries no tangent, and custom Functions
-run on primals (see :func:`inside_region`). The decorator form, ``@torch.no_grad()``, goes
+primals of its arguments (detached: this holds for dual tensors and for ``torch.func.jvp``'s
+tensors under ``vmap`` alike, so ``mixed_jacobian`` is covered too), so what the region computes
+carries no tangent, and custom Functions run on primals (see :func:`inside_region`). The decorator form, ``@torch.no_grad()``, goes
 through the same methods.
 """
 import contextlib
@@ -16,7 +17,6 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixedad._duals import unpack
 from mixedad._trees import tree_map
 
 _no_grad = torch.autograd.grad_mode.no_grad
@@ -27,8 +27,9 @@ _users = 0
 
 
 def primals(tree):
-    """``tree`` with every dual tensor replaced by its primal."""
-    return tree_map(lambda t: unpack(t)[0] if isinstance(t, torch.Tensor) and t.layout == torch.strided else t, tree)
+    """``tree`` with every tensor detached: dual tensors and torch.func's wrapped tensors lose
+    their tangents (``detach`` is stop-gradient in forward AD and in torch.func alike)."""
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
 
 
 class StripTangents(TorchFunctionMode):

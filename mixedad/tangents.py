@@ -167,7 +167,7 @@ def _forward(call, G, zs, vs, rules):
     """
     if in_functorch_transform():
         try:
-            with torch.no_grad(), differentiable_attention():
+            with torch.no_grad(), differentiable_attention(), no_grad_regions.tracking():
                 g, g_dot = jvp(G, tuple(z.detach() for z in zs), tuple(v.detach() for v in vs))
         except RuntimeError as error:
             if "mutate a captured Tensor" in str(error):
