@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 import mixedad
 from mixedad.profiling import median_time, peak_memory
@@ -72,7 +73,7 @@ def run(args, log=print):
         f"chunk size {args.chunk_size}; naive budget {args.budget_mib} MiB")
     rows, grads = [], {}
     ours_ns = sorted({64, args.n // 4, args.n} - {0})
-    for n in ours_ns:
+    for n in tqdm(ours_ns, desc="input_grad by number of codes", unit="N", file=sys.stderr):
         row, grads[("ours", n)] = measure(
             "mixedad.input_grad", lambda *a: mixedad.input_grad(*a, chunk_size=args.chunk_size), n,
             args.chunk_size, args, log)
@@ -129,7 +130,7 @@ def main(argv=None):
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     torch.set_num_threads(min(torch.get_num_threads(), 2))
-    rows = run(args, log=lambda msg: print(msg, flush=True))
+    rows = run(args, log=tqdm.write)  # log lines above the progress bar
     table = markdown(rows, args)
     print("\n" + table)
     args.out.mkdir(parents=True, exist_ok=True)
