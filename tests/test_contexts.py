@@ -219,11 +219,18 @@ def no_grad_inside(kind):
             c = SinWithoutJvp.apply(net2(z))
         return net(z) * c
 
+    def set_grad_enabled_block(z):
+        with torch.set_grad_enabled(False):
+            c = net2(z).tanh()
+        with torch.set_grad_enabled(True):  # a region that stays differentiable
+            d = net2(z) * 0.5
+        return net(z) * c + d
+
     return {"block": with_block, "decorator": lambda z: net(z) * constant(z),
-            "custom Function": custom_function_inside}[kind]
+            "custom Function": custom_function_inside, "set_grad_enabled": set_grad_enabled_block}[kind]
 
 
-@pytest.mark.parametrize("kind", ["block", "decorator", "custom Function"])
+@pytest.mark.parametrize("kind", ["block", "decorator", "custom Function", "set_grad_enabled"])
 def test_no_grad_region_inside_G_is_a_constant_as_in_reverse_mode(kind):
     G = no_grad_inside(kind)
     _, z, y, v = problem()
