@@ -49,10 +49,12 @@ def input_grad(f, G, z, y, *, chunk_size=None, strategy="auto"):
     read tensors that require grad other than y's leaves (they would get no gradient); this is
     checked. The result can be differentiated once (``create_graph=True`` through it raises).
 
-    **Train mode.** Dropout draws the same masks in the backward's replay as in the forward
-    (the random state of every chunk is recorded and replayed), and BatchNorm running statistics
-    are updated once per chunk by the forward, as the naive code updates them, and never by the
-    replay (see :mod:`mixedad.state`).
+    **Train mode.** Each chunk's backward replay starts from the state its forward saw: the
+    random state (so dropout draws the same masks) and the buffers of train-mode modules
+    (BatchNorm statistics, spectral norm's ``u``/``v``, EMAs), recorded before every chunk; that
+    record costs one copy of those buffers per chunk. Buffers are updated once per chunk by the
+    forward, as the naive code updates them, and end as it leaves them (see :mod:`mixedad.state`).
+    With ``chunk_size``, f must be a sum over latent codes; this is checked on the first two chunks.
 
     Args:
         f: callable ``f(y, g)`` returning a scalar tensor.
