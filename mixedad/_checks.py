@@ -9,6 +9,7 @@ import operator
 
 import torch
 
+from mixedad._nesting import check_not_nested
 from mixedad._transforms import in_functorch_transform
 from mixedad._trees import describe, keystr, tree_flatten, tree_flatten_with_path
 
@@ -192,6 +193,7 @@ def check_no_forward_tangents(call, tensors):
     """
     from torch.autograd import forward_ad
 
+    check_not_nested(call)
     # torch.func.jvp opens a dual level too, and mixedad composes with it (its own pass then
     # runs as a nested torch.func.jvp): only a plain dual_level() outside transforms is refused.
     if forward_ad._current_level < 0 or in_functorch_transform():

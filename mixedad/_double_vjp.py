@@ -48,7 +48,7 @@ def _hint(error):
     return ""
 
 
-def double_vjp(call, name, outputs, inputs, tangents):
+def double_vjp(call, name, outputs, inputs, tangents, *, at=None):
     r"""Tangents of ``outputs`` along ``tangents`` of ``inputs``, by two reverse passes.
 
     .. math::
@@ -63,6 +63,11 @@ def double_vjp(call, name, outputs, inputs, tangents):
         inputs: tensors that require grad (leaves of the graph that matters).
         tangents: one tangent per input.
 
+        at: keyword-only; None (u = 1), or one tensor per output: the u to differentiate at.
+            For a backward linear in u any u gives the same answer; for one that is not (a
+            gradient hook, a custom Function that clips its gradient) only double backward's
+            own cotangent gives its answer.
+
     Returns:
         One tensor per output: its tangent (zeros where the output does not depend on the inputs).
 
@@ -71,7 +76,10 @@ def double_vjp(call, name, outputs, inputs, tangents):
             differentiated (``@once_differentiable``, or a backward computed outside autograd),
             or has no derivative formula.
     """
-    us = [torch.ones_like(o, requires_grad=True) for o in outputs]
+    if at is None:
+        us = [torch.ones_like(o, requires_grad=True) for o in outputs]
+    else:
+        us = [u.detach().to(o.dtype).clone().requires_grad_() for u, o in zip(at, outputs)]
     try:
         pulled = torch.autograd.grad(outputs, inputs, grad_outputs=us, create_graph=True, allow_unused=True)
     except RuntimeError as error:

@@ -2,8 +2,9 @@
 
 While a mixedad pass runs in a thread, every ``Function.apply`` call in that thread is routed to
 the thread's handler (:class:`mixedad.op_rules.OpRules` in the forward pass, a handler that runs
-reentrant checkpoints directly in reverse passes). Other threads, and calls inside torch.func
-transforms, reach the original ``apply`` unchanged.
+reentrant checkpoints directly in reverse passes). Other threads reach the original ``apply``
+unchanged, and so do calls inside torch.func transforms unless the handler says
+``under_transforms = True``.
 
 Users often keep ``apply`` in a variable (``bias_act = BiasAct.apply``), so replacing the class
 attribute would miss them. Instead the code object of ``Function.apply``'s function is swapped
@@ -37,7 +38,7 @@ def original_apply(cls, *args, **kwargs):
 def route(cls, args, kwargs):
     """Where the trampoline sends ``cls.apply(*args, **kwargs)``."""
     handler = getattr(_local, "handler", None)
-    if handler is None or in_functorch_transform():
+    if handler is None or (in_functorch_transform() and not getattr(handler, "under_transforms", False)):
         return _original(cls, *args, **kwargs)
     return handler.custom_function(cls, args, kwargs)
 

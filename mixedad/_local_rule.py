@@ -22,8 +22,18 @@ from mixedad._trees import tree_flatten, tree_unflatten
 
 
 class NeedsWholeG(Exception):
-    """The op's outputs cannot carry forward-mode tangents at all (sparse layouts): only the
-    whole-G fallback can push a tangent through it."""
+    """Only the whole-G fallback can push the tangent through G: an op's outputs cannot carry
+    forward-mode tangents at all (sparse layouts), or G's derivative depends on its reverse pass
+    (G differentiates inside itself, changes gradients with hooks, or holds a custom Function
+    whose backward is not linear in its incoming gradient).
+
+    ``at_cotangent``: the fallback must evaluate G's backward at double backward's own cotangent
+    :math:`u^* = \nabla_g f(y, g)`, because the backward may not be linear in it.
+    """
+
+    def __init__(self, reason, *, at_cotangent=False):
+        super().__init__(reason)
+        self.at_cotangent = at_cotangent
 
 
 def _is_inplace(func):
@@ -31,7 +41,7 @@ def _is_inplace(func):
     return name.endswith("_") and not name.startswith("__")
 
 
-def local_jvp(call, name, func, args, kwargs):
+def local_jvp(call, name, func, args, kwargs, *, custom=False):
     """Run ``func(*args, **kwargs)`` with the local rule; NotImplemented if no input has a tangent.
 
     Args:
@@ -40,6 +50,9 @@ def local_jvp(call, name, func, args, kwargs):
         func: the op (a torch function, or a custom Function's ``apply`` bound to its class).
         args, kwargs: as the op was called, possibly holding dual tensors (nested in lists,
             tuples and dicts too).
+        custom: keyword-only; True for a custom Function. Its inputs are then handed over as
+            non-leaf copies, since it may write into them (``ctx.mark_dirty``); an output that
+            is one of those copies is written back into the caller's tensor, tangent included.
 
     Returns:
         The op's result with the same structure; every floating-point output that depends on
@@ -59,14 +72,18 @@ def local_jvp(call, name, func, args, kwargs):
     inplace = _is_inplace(func)
     with torch.enable_grad():
         inputs = [work[i].requires_grad_() for i in diff]
+        copied = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)] if custom else []
         if inplace and isinstance(leaves[0], torch.Tensor):
-            # The op writes into its first argument: give it a non-leaf copy to write into.
-            work[0] = work[0].clone()
+            copied = [0]  # the op writes into its first argument
+        for i in copied:  # non-leaf copies to write into
+            work[i] = work[i].clone()
         call_args, call_kwargs = tree_unflatten(work, spec)
         out = func(*call_args, **call_kwargs)
         if inplace and isinstance(leaves[0], torch.Tensor):
             out = work[0]
         out_leaves, out_spec = tree_flatten(out)
+        # Outputs that are inputs written in place (ctx.mark_dirty, or an in-place torch op).
+        written = {j: i for j, o in enumerate(out_leaves) for i in copied if o is work[i]}
         live = [j for j, o in enumerate(out_leaves)
                 if isinstance(o, torch.Tensor) and o.requires_grad and (o.is_floating_point() or o.is_complex())]
         sparse = [out_leaves[j] for j in live if out_leaves[j].layout != torch.strided]
@@ -77,8 +94,7 @@ def local_jvp(call, name, func, args, kwargs):
     result = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
     for j, t in zip(live, out_tangents):
         result[j] = dual(result[j], t)
-    result = tree_unflatten(result, out_spec)
-    if inplace and isinstance(leaves[0], torch.Tensor):
-        leaves[0].copy_(result)  # forward AD carries the tangent into the user's tensor
-        return leaves[0]
-    return result
+    for j, i in written.items():
+        leaves[i].copy_(result[j])  # forward AD carries the tangent into the caller's tensor
+        result[j] = leaves[i]
+    return tree_unflatten(result, out_spec)

@@ -19,3 +19,13 @@ def under_differentiating_transform():
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
     return any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in retrieve_all_functorch_interpreters())
+
+
+def under_vmap():
+    """True inside torch.func.vmap (at any level)."""
+    if not in_functorch_transform():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())

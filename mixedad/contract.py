@@ -15,6 +15,7 @@ import torch
 from torch.func import grad, jvp
 
 from mixedad import _checks
+from mixedad.state import RngState
 from mixedad._transforms import in_functorch_transform, under_differentiating_transform
 from mixedad._trees import tree_unflatten
 
@@ -69,3 +70,43 @@ def _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_s
     if create_graph or under_differentiating_transform():
         return list(grads)
     return [g.detach() for g in grads]
+
+
+def f_cotangent(call, f, y_leaves, y_spec, *, create_graph=False):
+    r"""Double backward's own cotangent at G's output, for the whole-G fallback.
+
+    .. math::
+
+        u^* = \nabla_g f(y, g)
+
+    Returns ``cotangent(g_leaves, g_spec)``, a list with one tensor per leaf of g (no graph).
+    Where G's backward is not linear in its incoming gradient (a gradient hook, a custom
+    Function that clips or normalises its gradient), the whole-G fallback differentiates it at
+    this u to give exactly what double backward gives. f is evaluated once more; the random
+    state is restored afterwards. With ``create_graph`` the result would also depend on y
+    through :math:`u^*`, which mixedad does not track: that raises.
+    """
+
+    def cotangent(g_leaves, g_spec):
+        if create_graph:
+            raise RuntimeError(
+                f"{call}: G's backward is not linear in its incoming gradient (a gradient hook, or a "
+                f"custom Function that clips or normalises its gradient), so its derivative depends on "
+                f"y through f's gradient, and create_graph=True would miss that part. Use "
+                f"create_graph=False, or mixedad.reference.double_backward_mixed_grad."
+            )
+        rng = RngState()
+        try:
+            with torch.enable_grad():
+                g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]
+                y_tree = tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec)
+                out = f(y_tree, tree_unflatten([g.clone() for g in g_work], g_spec))
+                _checks.check_scalar_output(call, out)
+                out = out.reshape(())
+                grads = (torch.autograd.grad(out, g_work, allow_unused=True) if out.requires_grad
+                         else [None] * len(g_work))
+        finally:
+            rng.restore()
+        return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, g_leaves)]
+
+    return cotangent

@@ -5,9 +5,9 @@ from torch.autograd.function import once_differentiable
 from mixedad import _checks
 from mixedad._attention import DropoutOnMathBackend
 from mixedad._function_hook import routing
-from mixedad._inference import outside_inference_mode
+from mixedad._entry import public_call
 from mixedad._trees import tree_flatten, tree_unflatten
-from mixedad.contract import contract_f_with_tangent
+from mixedad.contract import contract_f_with_tangent, f_cotangent
 from mixedad.op_rules import CheckpointsRunDirectly
 from mixedad.state import RngState, Snapshot
 from mixedad.tangents import eager, frozen, push_tangent
@@ -15,7 +15,7 @@ from mixedad.tangents import eager, frozen, push_tangent
 CALL = "input_grad(f, G, z, y)"
 
 
-@outside_inference_mode
+@public_call
 def input_grad(f, G, z, y, *, chunk_size=None, strategy="auto"):
     r"""The input gradient ∂f(y, G(z))/∂z, differentiable with respect to y at O(1) memory in depth.
 
@@ -198,7 +198,8 @@ class _InputGrad(torch.autograd.Function):
                 for c, state in zip(meta.chunks, meta.states):
                     state.restore()  # the RNG and buffers this chunk's forward pass saw
                     g_leaves, tangents, g_spec = push_tangent(
-                        CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in grad_outs], strategy=meta.strategy
+                        CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in grad_outs], strategy=meta.strategy,
+                        cotangent=f_cotangent(CALL, meta.f, y_leaves, meta.y_spec),
                     )
                     grads = contract_f_with_tangent(
                         CALL, meta.f, y_leaves, meta.y_spec, g_leaves, tangents, g_spec, create_graph=False

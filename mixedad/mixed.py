@@ -3,14 +3,15 @@ import torch
 from torch.func import vmap
 
 from mixedad import _checks
-from mixedad._inference import outside_inference_mode
+from mixedad._entry import public_call
 from mixedad._trees import tree_unflatten
-from mixedad.contract import contract_f_with_tangent
+from mixedad.op_rules import FunctionUnderTransformError
+from mixedad.contract import contract_f_with_tangent, f_cotangent
 from mixedad.state import RngState
 from mixedad.tangents import eager, push_tangent
 
 
-@outside_inference_mode
+@public_call
 def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
     r"""Mixed derivative d/dy of the input gradient ∂f(y, G(z))/∂z, contracted with v.
 
@@ -88,14 +89,15 @@ def _mixed_grad(call, f, G, z, y, v, create_graph, strategy):
     _checks.check_v_constant(call, vs, create_graph)
     G = eager(G)
     _checks.check_devices(call, G, zs, y_leaves, y_spec)
-    g_leaves, tangent_leaves, g_spec = push_tangent(call, G, zs, vs, strategy=strategy)
+    cotangent = f_cotangent(call, f, y_leaves, y_spec, create_graph=create_graph)
+    g_leaves, tangent_leaves, g_spec = push_tangent(call, G, zs, vs, strategy=strategy, cotangent=cotangent)
     result = contract_f_with_tangent(
         call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph=create_graph
     )
     return tree_unflatten(result, y_spec)
 
 
-@outside_inference_mode
+@public_call
 def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
     r"""The full mixed second derivative of f(y, G(z)) in z and y.
 
@@ -112,6 +114,11 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
     the result, which holds ``z.numel() * y.numel()`` numbers. ``chunk_size`` bounds b (the
     default, None, pushes all ``z.numel()`` tangents at once). Peak memory does not grow with
     G's depth.
+
+    A G holding custom ``autograd.Function``\ s that torch.func cannot batch (no
+    ``setup_context``, or no ``jvp``: StyleGAN-style ops) is computed one tangent per pass
+    instead, each with mixedad's per-op rules: exact and flat in depth, at one forward pass of G
+    per entry of z.
 
     Every batch replays the random state of the first, so dropout masks agree across rows and
     the RNG ends where one forward pass leaves it. BatchNorm in train mode cannot run under
@@ -142,13 +149,31 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
     G = eager(G)
     n = z.numel()
     step = _checks.check_chunk_size(call, chunk_size) or n
-    rows_of = vmap(lambda v: _mixed_grad(call, f, G, z, y, v, False, strategy), randomness="same")
-    rows = []
+    batched = vmap(lambda v: _mixed_grad(call, f, G, z, y, v, False, strategy), randomness="same")
+
     rng = RngState()
+
+    def one_by_one(basis):  # each tangent in its own pass, with mixedad's per-op rules
+        rows = []
+        for v in basis:
+            rng.restore()
+            rows.append(_mixed_grad(call, f, G, z, y, v, False, strategy))
+        return torch.stack(rows)
+
+    rows_of = batched
+    rows = []
     for start in range(0, n, step):
-        rng.restore()
         index = torch.arange(start, min(start + step, n), device=z.device)
         basis = torch.zeros(len(index), n, dtype=z.dtype, device=z.device)
         basis[torch.arange(len(index), device=z.device), index] = 1.0
-        rows.append(rows_of(basis.reshape(len(index), *z.shape)))
+        basis = basis.reshape(len(index), *z.shape)
+        rng.restore()
+        try:
+            rows.append(rows_of(basis))
+        except FunctionUnderTransformError:
+            if rows_of is one_by_one:
+                raise
+            rows_of = one_by_one  # a custom Function torch.func cannot batch: one pass per tangent
+            rng.restore()
+            rows.append(rows_of(basis))
     return torch.cat(rows).reshape(*z.shape, *y.shape)

@@ -42,13 +42,16 @@ attention rule.
 import contextlib
 import functools
 import threading
+import warnings
+import weakref
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import Function
+from torch.autograd.function import Function, _SingleLevelFunction
 from torch.overrides import TorchFunctionMode, _pop_mode_temporarily, resolve_name
 from torch.utils.checkpoint import CheckpointFunction
+from torch.nn.modules._functions import BackwardHookFunction
 
 from mixedad._attention import Rerouted, sdpa_rule
 from mixedad._composites import COMPOSITES, run_inside
@@ -57,15 +60,18 @@ from mixedad._duals import any_tangent
 from mixedad._formulas import cdist_rule, group_norm_rule
 from mixedad._frozen_layers import WEIGHTED, batch_norm_eval_rule, weighted_rule
 from mixedad._function_hook import original_apply
-from mixedad._local_rule import local_jvp
-from mixedad._no_grad_regions import inside_region, primals
-from mixedad._transforms import in_functorch_transform
+from mixedad._local_rule import NeedsWholeG, local_jvp
+from mixedad import _function_probes as probes
+from mixedad._grad_mode import GRAD_MODE_SETTERS, no_graph, run_as_constant
+from mixedad._transforms import in_functorch_transform, under_vmap
 from mixedad._trees import tree_flatten
 
 FROZEN, ATTENTION, FORMULA, LOCAL, FORWARD, WHOLE_G = (
     "frozen layer", "blockwise attention", "written formula", "local double-VJP", "forward AD", "whole-G fallback")
 #: Every path, in the order the report lists them.
 PATHS = (FROZEN, ATTENTION, FORMULA, LOCAL, FORWARD, WHOLE_G)
+#: The paths a pass can be told not to take (:func:`skipping`, ``OpRules(skip=...)``).
+SKIPPABLE = (FROZEN, ATTENTION, FORMULA, LOCAL)
 
 #: Torch ops whose forward-AD formula in PyTorch is known to be silently wrong: they take the
 #: local rule although forward AD "works". name: (upstream issue, what goes wrong). The umbrella
@@ -94,6 +100,28 @@ class Rule(NamedTuple):
     path: str
     apply: Callable
     reason: str
+
+
+#: Torch functions that need G's reverse graph: G differentiates inside itself, or changes its
+#: own gradients with a hook (which forward mode never runs). All of G then takes the whole-G
+#: fallback; for hooks at double backward's own cotangent, since a hook need not be linear.
+REVERSE_MODE_INSIDE = {
+    torch.autograd.grad: "G calls torch.autograd.grad inside itself",
+    torch.autograd.backward: "G calls torch.autograd.backward inside itself",
+    torch.Tensor.backward: "G calls Tensor.backward inside itself",
+    torch.Tensor.register_hook: "G registers a gradient hook (Tensor.register_hook), which forward mode never runs",
+}
+GRADIENT_HOOKS = (torch.Tensor.register_hook,)
+_WARNED_JVP = weakref.WeakSet()
+
+
+def _warn_jvp_disagrees(call, cls, numbers):
+    lhs, rhs = numbers
+    warnings.warn(
+        f"{call}: {cls.__qualname__}.jvp disagrees with its backward: the dot-product test on random "
+        f"t, u gives <jvp(t), u> = {lhs:.6g} but <t, backward(u)> = {rhs:.6g}. Reverse mode is the "
+        f"meaning, so mixedad differentiates its backward instead (the local double-VJP rule). "
+        f"Fix the jvp, or remove it.", RuntimeWarning, stacklevel=2)
 
 
 class RestartPass(Exception):
@@ -198,9 +226,9 @@ def skipping(*paths):
     ``skipping(LOCAL, FORMULA)`` gives mixedad as it was before per-op rules: an op forward mode
     cannot take sends all of G to the whole-G fallback.
     """
-    unknown = [p for p in paths if p not in (FROZEN, ATTENTION, FORMULA, LOCAL)]
+    unknown = [p for p in paths if p not in SKIPPABLE]
     if unknown:
-        raise ValueError(f"skipping(*paths): expected paths from {[FROZEN, ATTENTION, FORMULA, LOCAL]}, got {unknown}.")
+        raise ValueError(f"skipping(*paths): expected paths from {list(SKIPPABLE)}, got {unknown}.")
     previous = getattr(_settings, "skip", ())
     _settings.skip = tuple(previous) + paths
     try:
@@ -242,8 +270,18 @@ class OpRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if in_functorch_transform():
             return func(*args, **kwargs)  # G runs torch.func.vmap (or another transform) inside
+        if func in GRAD_MODE_SETTERS:
+            return func(*args, **kwargs)
+        if not torch.is_grad_enabled():  # G turned grad off here: a constant, as in reverse mode
+            return run_as_constant(func, args, kwargs)
         if func in COMPOSITES:
             return run_inside(self, func, args, kwargs)
+        if func in REVERSE_MODE_INSIDE:
+            raise NeedsWholeG(REVERSE_MODE_INSIDE[func], at_cotangent=func in GRADIENT_HOOKS)
+        with no_graph():  # tangents only: no reverse graph through G's parameters
+            return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func, args, kwargs):
         rule = self.table.get(func)
         if rule is not None:
             result = self._apply(rule, func, args, kwargs)
@@ -276,33 +314,48 @@ class OpRules(TorchFunctionMode):
             self.recorder.add(op_name(func), rule.path, rule.reason)
         return result
 
-    @contextlib.contextmanager
     def _popped(self):
-        """This mode off for the block, when it is the innermost torch function mode."""
-        depth = torch._C._len_torch_function_stack()
-        if depth and torch._C._get_function_stack_at(depth - 1) is self:
-            with _pop_mode_temporarily():
-                yield
-        else:
-            yield
+        return popped(self)
 
     def custom_function(self, cls, args, kwargs):
-        """The dispatch for ``cls.apply(*args, **kwargs)``, a custom autograd.Function."""
+        """The dispatch for ``cls.apply(*args, **kwargs)``, a custom autograd.Function.
+
+        A Function called with grad disabled is a constant. Otherwise the first call of each
+        class probes its backward (:mod:`mixedad._function_probes`): one that is not linear in
+        its incoming gradient sends all of G to the whole-G fallback at double backward's own
+        cotangent; a ``jvp`` that fails the dot-product test against the backward is not
+        trusted (a warning, then the local rule); a Function without ``jvp`` takes the local rule.
+        """
         name = f"{cls.__qualname__} (custom Function)"
-        if inside_region():  # a torch.no_grad() region of G: a constant, as in reverse mode
-            return original_apply(cls, *primals(args), **primals(kwargs))
+        apply = functools.partial(original_apply, cls)
         if cls is CheckpointFunction:
             if self.recorder is not None:
                 self.recorder.add("torch.utils.checkpoint (reentrant)", FORWARD, "run directly: no recomputation needed")
             return _run_checkpoint_directly(args)
-        if self.local and not _has_own_jvp(cls):
-            with self._popped():  # the op runs plainly, as it does inside __torch_function__
-                result = local_jvp(self.call, name, functools.partial(original_apply, cls), args, kwargs)
-            if result is not NotImplemented:
-                if self.recorder is not None:
-                    self.recorder.add(name, LOCAL, "custom Function without jvp")
-                return result
-        result = original_apply(cls, *args, **kwargs)
+        if not torch.is_grad_enabled():  # G turned grad off here: a constant, as in reverse mode
+            return run_as_constant(apply, args, kwargs)
+        if not any_tangent((args, kwargs)):
+            with no_graph():
+                return apply(*args, **kwargs)
+        own_jvp = _has_own_jvp(cls)
+        with self._popped():  # the probes run the op plainly, as __torch_function__ runs ops
+            found = probes.verdict(cls, apply, args, kwargs, with_jvp=own_jvp)
+        if not found.linear:
+            raise NeedsWholeG(f"{name} has a backward that is not linear in its incoming gradient (gradient "
+                              f"clipping or normalisation?), so only double backward's own cotangent gives "
+                              f"its derivative", at_cotangent=True)
+        if own_jvp and not found.jvp_agrees and cls not in _WARNED_JVP:
+            _WARNED_JVP.add(cls)
+            _warn_jvp_disagrees(self.call, cls, found.numbers)
+        if self.local and (not own_jvp or not found.jvp_agrees):
+            with self._popped(), no_graph():  # the op runs plainly, as it does inside __torch_function__
+                result = local_jvp(self.call, name, apply, args, kwargs, custom=True)
+            if self.recorder is not None:
+                self.recorder.add(name, LOCAL, "custom Function without jvp" if not own_jvp
+                                  else "its jvp disagrees with its backward")
+            return result
+        with no_graph():
+            result = apply(*args, **kwargs)
         if self.recorder is not None and any_tangent(result):
             self.recorder.add(name, FORWARD, "its own jvp")
         return result
@@ -319,6 +372,90 @@ class CheckpointsRunDirectly:
         if cls is CheckpointFunction:
             return _run_checkpoint_directly(args)
         return original_apply(cls, *args, **kwargs)
+
+
+class FunctionsUnderTransforms:
+    """``Function.apply`` handler for passes under torch.func transforms (vmap over mixed_grad).
+
+    torch.func runs a custom Function only if it defines ``setup_context``, and pushes a tangent
+    through it only with its own ``jvp``; the op rules step aside there. A Function that lacks
+    either gets a mixedad error that names it and says what to do, instead of torch.func's.
+    """
+
+    under_transforms = True
+
+    def __init__(self, call):
+        self.call = call
+
+    def custom_function(self, cls, args, kwargs):
+        needs = [("setup_context", _has_setup_context(cls)), ("jvp", _has_own_jvp(cls))]
+        if under_vmap():
+            needs.append(("vmap (or generate_vmap_rule = True)", cls.generate_vmap_rule or _has_own_vmap(cls)))
+        missing = [what for what, ok in needs if not ok]
+        if missing and cls is not CheckpointFunction:
+            raise FunctionUnderTransformError(
+                f"{self.call}: G calls the custom autograd.Function {cls.__qualname__} inside a torch.func "
+                f"transform (vmap over mixed_grad, or a batched pass), and torch.func can only push "
+                f"tangents through a Function that defines {' and '.join(missing)}. Give it "
+                f"{' and '.join(missing)}, or call mixed_grad once per tangent (mixed_jacobian does "
+                f"that by itself), where mixedad's per-op rules take it."
+            )
+        return original_apply(cls, *args, **kwargs)
+
+
+class FunctionUnderTransformError(OpRuleError):
+    """A custom Function that torch.func cannot run inside mixedad's batched pass."""
+
+
+def _has_own_vmap(cls):
+    return getattr(cls, "vmap", None) is not Function.vmap
+
+
+def _has_setup_context(cls):
+    return getattr(cls, "setup_context", None) is not _SingleLevelFunction.setup_context
+
+
+class ReverseMode(CheckpointsRunDirectly, TorchFunctionMode):
+    """The whole-G fallback's watch on G: what makes its backward depend on the cotangent.
+
+    Use it as a mode and as the ``Function.apply`` handler of the pass. ``at_cotangent``
+    becomes True when G registers a gradient hook, holds a module with backward hooks, or calls
+    a custom Function whose backward fails the linearity probe: the double VJP must then be
+    evaluated at double backward's own cotangent, not at u = 1.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.at_cotangent = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in GRADIENT_HOOKS:
+            self.at_cotangent = True
+        return func(*args, **(kwargs or {}))
+
+    def custom_function(self, cls, args, kwargs):
+        if cls is BackwardHookFunction:  # a module's full backward hooks
+            self.at_cotangent = True
+        elif cls is not CheckpointFunction and torch.is_grad_enabled() and _requires_grad((args, kwargs)):
+            with popped(self):
+                found = probes.verdict(cls, functools.partial(original_apply, cls), args, kwargs, with_jvp=False)
+            self.at_cotangent = self.at_cotangent or not found.linear
+        return super().custom_function(cls, args, kwargs)
+
+
+def _requires_grad(tree):
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(tree)[0])
+
+
+@contextlib.contextmanager
+def popped(mode):
+    """``mode`` off for the block, when it is the innermost torch function mode."""
+    depth = torch._C._len_torch_function_stack()
+    if depth and torch._C._get_function_stack_at(depth - 1) is mode:
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
 
 
 class PathRecorder:

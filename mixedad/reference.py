@@ -8,7 +8,7 @@ import torch
 
 from mixedad import _checks
 from mixedad._double_vjp import once_differentiable_node
-from mixedad._inference import outside_inference_mode
+from mixedad._entry import public_call
 from mixedad._trees import tree_unflatten
 from mixedad.tangents import differentiable_attention, frozen
 
@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 
-@outside_inference_mode
+@public_call
 def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
     r"""Reference for :func:`mixedad.mixed_grad` by double backward through G.
 
@@ -74,7 +74,7 @@ def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
     return tree_unflatten(result, y_spec)
 
 
-@outside_inference_mode
+@public_call
 def double_backward_input_grad(f, G, z, y, *, chunk_size=None):
     r"""Reference for :func:`mixedad.input_grad`: the naive create_graph code.
 
@@ -111,7 +111,7 @@ def double_backward_input_grad(f, G, z, y, *, chunk_size=None):
     return tuple(result) if isinstance(z, (tuple, list)) else result[0]
 
 
-@outside_inference_mode
+@public_call
 def double_backward_mixed_jacobian(f, G, z, y):
     r"""Reference for :func:`mixedad.mixed_jacobian`, one double-backward row at a time.
 

@@ -6,7 +6,7 @@ formula, the local double-VJP rule (and why), PyTorch's own formula, and whether
 back to two reverse passes (and why).
 """
 from mixedad import _checks
-from mixedad._inference import outside_inference_mode
+from mixedad._entry import public_call
 from mixedad.op_rules import PATHS, WHOLE_G, PathRecorder
 from mixedad.state import Snapshot
 from mixedad.tangents import eager, push_tangent
@@ -66,7 +66,7 @@ class TangentReport:
         return f"TangentReport({len(self.rows)} rows, fallback={self.fallback!r})"
 
 
-@outside_inference_mode
+@public_call
 def tangent_report(G, z, v=None, *, strategy="auto"):
     r"""Push one tangent through G and report, per op, which path it took.
 

@@ -29,6 +29,7 @@ compiled graphs do not carry forward-mode tangents reliably, and compiled dropou
 different random numbers than eager replays would.
 """
 import contextlib
+import functools
 import re
 import threading
 import warnings
@@ -39,12 +40,13 @@ from torch.autograd import forward_ad
 from torch.func import functional_call, jvp, vjp
 
 from mixedad._double_vjp import OpRuleError, double_vjp
-from mixedad import _no_grad_regions as no_grad_regions
 from mixedad._function_hook import routing
+from mixedad._grad_mode import ReadGradMode
 from mixedad._local_rule import NeedsWholeG
+from mixedad._nesting import one_pass
 from mixedad._transforms import in_functorch_transform
 from mixedad._trees import describe, tree_flatten, tree_unflatten
-from mixedad.op_rules import CheckpointsRunDirectly, OpRules, RestartPass
+from mixedad.op_rules import SKIPPABLE, FunctionsUnderTransforms, OpRules, RestartPass, ReverseMode
 from mixedad.state import Snapshot
 
 STRATEGIES = ("auto", "forward", "reverse")
@@ -146,7 +148,10 @@ def differentiable_attention():
         yield
 
 
-def _check_outputs(call, g_leaves):
+def _check_outputs(call, g_leaves, out=None):
+    if not g_leaves:
+        raise ValueError(f"{call}: expected G(z) to return a tensor or a pytree holding at least one tensor, "
+                         f"got {describe(out)}.")
     for i, leaf in enumerate(g_leaves):
         if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
             where = "G(z)" if len(g_leaves) == 1 else f"G(z)'s leaf {i}"
@@ -162,12 +167,15 @@ def _own_memory(t):
 def _forward(call, G, zs, vs, rules):
     """Forward-mode pass. Returns (primal leaves, tangent leaves or None where lost, spec).
 
-    ``rules`` is the :class:`mixedad.op_rules.OpRules` dispatch, or None for PyTorch's formulas
-    only (the dispatch is always off inside torch.func transforms).
+    G runs with grad enabled, as in a plain call; grad mode is read at each op
+    (:mod:`mixedad._grad_mode`). ``rules`` is the :class:`mixedad.op_rules.OpRules` dispatch,
+    which steps aside inside torch.func transforms; None for PyTorch's formulas only.
     """
+    if rules is None:
+        rules = OpRules(call, skip=SKIPPABLE)
     if in_functorch_transform():
         try:
-            with torch.no_grad(), differentiable_attention(), no_grad_regions.tracking():
+            with torch.enable_grad(), differentiable_attention(), ReadGradMode(), routing(FunctionsUnderTransforms(call)):
                 g, g_dot = jvp(G, tuple(z.detach() for z in zs), tuple(v.detach() for v in vs))
         except RuntimeError as error:
             if "mutate a captured Tensor" in str(error):
@@ -178,45 +186,54 @@ def _forward(call, G, zs, vs, rules):
                 ) from error
             raise
         g_leaves, spec = tree_flatten(g)
-        _check_outputs(call, g_leaves)
+        _check_outputs(call, g_leaves, g)
         return g_leaves, tree_flatten(g_dot)[0], spec
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.no_grad())
+        stack.enter_context(torch.enable_grad())
         # With the attention rule, SDPA keeps the user's fused kernel; without it, forward AD
         # needs the math backend.
-        attention_rule = rules is not None and rules.attention
-        stack.enter_context(no_fused_attention_layers() if attention_rule else differentiable_attention())
+        stack.enter_context(no_fused_attention_layers() if rules.attention else differentiable_attention())
         stack.enter_context(forward_ad.dual_level())
         duals = [forward_ad.make_dual(_own_memory(z), _own_memory(v)) for z, v in zip(zs, vs)]
-        if rules is not None:
-            with rules, routing(rules), no_grad_regions.tracking():
-                out = G(*duals)
-        else:
+        with rules, routing(rules):
             out = G(*duals)
         out_leaves, spec = tree_flatten(out)
-        _check_outputs(call, out_leaves)
+        _check_outputs(call, out_leaves, out)
         unpacked = [forward_ad.unpack_dual(leaf) for leaf in out_leaves]
     return [u.primal for u in unpacked], [u.tangent for u in unpacked], spec
 
 
-def _reverse(call, G, zs, vs):
-    """Whole-G double VJP: J v = d/du <J^T u, v> at u = 1. Keeps G's graph (memory grows with depth)."""
+def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False):
+    r"""Whole-G double VJP: :math:`J v = \partial_u \langle J^\top u, v\rangle`. Keeps G's graph.
+
+    The derivative in u is taken at u = 1, unless G's backward may not be linear in u
+    (``at_cotangent``, or a gradient hook or a custom Function found on the way): then at
+    double backward's own cotangent ``cotangent(g_leaves)``, :math:`u^* = \nabla_g f(y, g)`,
+    which reproduces exactly what double backward computes. Memory grows with G's depth.
+    """
     if in_functorch_transform():
         out, pullback = vjp(lambda *z: G(*z), *zs)
         g_leaves, spec = tree_flatten(out)
-        _check_outputs(call, g_leaves)
+        _check_outputs(call, g_leaves, out)
         ones = tree_unflatten([torch.ones_like(leaf) for leaf in g_leaves], spec)
         _, pullback_of_pullback = vjp(pullback, ones)
         (g_dot,) = pullback_of_pullback(tuple(vs))
         return [leaf.detach() for leaf in g_leaves], tree_flatten(g_dot)[0], spec
-    with torch.enable_grad(), differentiable_attention(), routing(CheckpointsRunDirectly()):
+    watch = ReverseMode()
+    with torch.enable_grad(), differentiable_attention(), routing(watch):
         z_work = [z.detach().requires_grad_() for z in zs]
-        g_leaves, spec = tree_flatten(frozen(G)(*z_work))
-        _check_outputs(call, g_leaves)
+        with watch:
+            out = frozen(G)(*z_work)
+        g_leaves, spec = tree_flatten(out)
+        _check_outputs(call, g_leaves, out)
+        at_cotangent = at_cotangent or watch.at_cotangent
         live = [i for i, leaf in enumerate(g_leaves) if leaf.requires_grad]
         tangents = [torch.zeros_like(leaf) for leaf in g_leaves]
         if live:
-            pushed = double_vjp(call, "G", [g_leaves[i] for i in live], z_work, list(vs))
+            at = None
+            if at_cotangent and cotangent is not None:
+                at = [cotangent([leaf.detach() for leaf in g_leaves], spec)[i] for i in live]
+            pushed = double_vjp(call, "G", [g_leaves[i] for i in live], z_work, list(vs), at=at)
             for i, t in zip(live, pushed):
                 tangents[i] = t
     return [leaf.detach() for leaf in g_leaves], tangents, spec
@@ -230,7 +247,7 @@ def _g_name(G):
     return type(G).__qualname__ if isinstance(G, nn.Module) else getattr(G, "__qualname__", type(G).__name__)
 
 
-def _whole_g(call, G, zs, vs, strategy, reason, recorder):
+def _whole_g(call, G, zs, vs, strategy, reason, recorder, cotangent, at_cotangent=False):
     """The whole-G fallback, or an error for strategy='forward'."""
     if strategy == "forward":
         raise RuntimeError(
@@ -243,15 +260,28 @@ def _whole_g(call, G, zs, vs, strategy, reason, recorder):
     _warn_once(("whole-G", reason, _g_name(G)),
                f"mixedad: {reason}; pushing tangents through all of G with two reverse passes instead "
                f"(the double-VJP trick). Memory now grows with G's depth.")
-    return _reverse(call, G, zs, vs)
+    return _reverse(call, G, zs, vs, cotangent, at_cotangent)
 
 
-def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None):
+def _backward_hooks(modules):
+    """Whether any of ``modules``, or every module (global hooks), has backward hooks."""
+    from torch.nn.modules import module as module_globals
+
+    if module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks:
+        return True
+    return any(m._backward_hooks or m._backward_pre_hooks for m in modules)
+
+
+def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=None):
     r"""Evaluate G at z and push the tangent v through it.
 
     .. math::
 
         g = G(z_1, \ldots, z_k), \qquad \dot g = \sum_i \partial_{z_i} G\; v_i
+
+    Where G's backward may not be linear in its incoming gradient (a gradient hook, a custom
+    Function that clips or normalises its gradient), :math:`\dot g` is what double backward
+    computes: :math:`\partial_u \langle J_G(u)^\top u, v\rangle` at :math:`u^* =` ``cotangent``.
 
     Args:
         call: the public call's name, for messages.
@@ -261,17 +291,23 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None):
             every per-op rule (all flat in memory) and refuses only the whole-G fallback.
         recorder: None, or a :class:`mixedad.op_rules.PathRecorder` to count which op took
             which path.
+        cotangent: None (u = 1 is good enough: the report), or ``cotangent(g_leaves, spec)``
+            returning :math:`\nabla_g f(y, g)` per leaf, for G whose backward is not linear.
 
     Returns:
         ``(g_leaves, tangent_leaves, spec)``: G's flattened output, the matching tangents
         (detached, no graph), and the pytree spec of G's output.
+
+    Raises:
+        NestedCallError: called while a pass of this thread runs G.
     """
-    if strategy == "reverse":
-        if recorder is not None:
-            recorder.fallback = "strategy='reverse'"
-        return _reverse(call, G, zs, vs)
-    with FORWARD_PASS_LOCK:
-        return _push_forward(call, G, zs, vs, strategy, recorder)
+    with one_pass(call):
+        if strategy == "reverse":
+            if recorder is not None:
+                recorder.fallback = "strategy='reverse'"
+            return _reverse(call, G, zs, vs, cotangent)
+        with FORWARD_PASS_LOCK:
+            return _push_forward(call, G, zs, vs, strategy, recorder, cotangent)
 
 
 #: PyTorch keeps one forward-AD level for the whole process (``forward_ad._current_level``), so
@@ -280,13 +316,16 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None):
 FORWARD_PASS_LOCK = threading.RLock()
 
 
-def _push_forward(call, G, zs, vs, strategy, recorder):
+def _push_forward(call, G, zs, vs, strategy, recorder, cotangent):
+    whole_g = functools.partial(_whole_g, call, G, zs, vs, strategy, recorder=recorder, cotangent=cotangent)
     if forward_ad._current_level >= 0 and not in_functorch_transform():
         # PyTorch has one forward-AD level: inside the caller's own dual_level() neither dual
         # tensors nor torch.func.jvp can open another.
-        return _whole_g(call, G, zs, vs, strategy, "called inside an open forward_ad.dual_level(), and PyTorch cannot nest "
-                        "forward-mode AD", recorder)
+        return whole_g("called inside an open forward_ad.dual_level(), and PyTorch cannot nest "
+                       "forward-mode AD")
     snapshot = Snapshot(G)
+    if _backward_hooks(snapshot.modules):
+        return whole_g(_HOOKED, at_cotangent=True)
     rules = OpRules(call, recorder)
     for _ in range(MAX_RESTARTS + 1):
         try:
@@ -299,17 +338,19 @@ def _push_forward(call, G, zs, vs, strategy, recorder):
             raise
         except NeedsWholeG as error:
             snapshot.restore()
-            return _whole_g(call, G, zs, vs, strategy, str(error), recorder)
+            return whole_g(str(error), at_cotangent=error.at_cotangent)
         except (RuntimeError, NotImplementedError) as error:
             op = unsupported_op(error)
             if op is None:
                 raise
             snapshot.restore()
-            return _whole_g(call, G, zs, vs, strategy, f"{op} has no forward-mode AD formula here", recorder)
+            return whole_g(f"{op} has no forward-mode AD formula here")
     else:
         snapshot.restore()
-        return _whole_g(call, G, zs, vs, strategy, f"more than {MAX_RESTARTS} ops of G needed the local rule "
-                        f"in one call", recorder)
+        return whole_g(f"more than {MAX_RESTARTS} ops of G needed the local rule in one call")
+    if _backward_hooks(snapshot.modules):  # modules that a G which is not a Module ran
+        snapshot.restore()
+        return whole_g(_HOOKED, at_cotangent=True)
     lost = [i for i, t in enumerate(tangents) if t is None]
     if not lost:
         return g_leaves, tangents, spec
@@ -321,7 +362,7 @@ def _push_forward(call, G, zs, vs, strategy, recorder):
             f"cannot tell which; use strategy='auto' or 'reverse'."
         )
     snapshot.restore()
-    g_leaves, tangents, spec = _reverse(call, G, zs, vs)
+    g_leaves, tangents, spec = _reverse(call, G, zs, vs, cotangent)
     if any(tangents[i].ne(0).any() for i in lost):
         reason = (f"{where} lost its forward-mode tangent although it depends on z (detach() inside G, a "
                   f"compiled graph, or a custom op?)")
@@ -331,3 +372,6 @@ def _push_forward(call, G, zs, vs, strategy, recorder):
                    f"mixedad: {reason}; computed it with two reverse passes instead. Memory now grows "
                    f"with G's depth.")
     return g_leaves, tangents, spec
+
+
+_HOOKED = "a module of G has backward hooks (register_full_backward_hook), which forward mode never runs"

@@ -47,7 +47,23 @@ def test_spot_check_passes_on_an_honest_generator_and_prints_a_report():
 
 
 def test_spot_check_catches_a_silently_wrong_formula():
-    """A custom Function whose jvp is wrong: forward mode trusts it, the spot check does not."""
+    """PyTorch's known-wrong formula for cholesky_inverse, with mixedad's local rule switched off."""
+    from mixedad.op_rules import LOCAL, skipping
+
+    def G(z):
+        a = z @ z.mT + 4 * torch.eye(z.shape[-1], dtype=z.dtype)
+        return torch.cholesky_inverse(torch.linalg.cholesky(a))
+
+    f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
+    gen = torch.Generator().manual_seed(0)
+    z, y = (torch.randn(10, 3, 3, dtype=torch.float64, generator=gen) for _ in range(2))
+    with skipping(LOCAL), pytest.raises(AssertionError, match=r"spot_check\(f, G, z, y\): 2 of 10 latent codes.*MISMATCH"):
+        spot_check(f, G, z, y, stream=io.StringIO())
+    spot_check(f, G, z, y, stream=io.StringIO())  # with the local rule: exact
+
+
+def test_a_jvp_that_disagrees_with_its_backward_is_not_trusted():
+    """A custom Function whose jvp is wrong: mixedad's dot-product test warns and uses its backward."""
 
     class WrongJvp(torch.autograd.Function):
         @staticmethod
@@ -68,5 +84,5 @@ def test_spot_check_catches_a_silently_wrong_formula():
     G = lambda z: WrongJvp.apply(z)  # noqa: E731
     f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
     z, y = torch.randn(10, 4, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64)
-    with pytest.raises(AssertionError, match=r"spot_check\(f, G, z, y\): 2 of 10 latent codes.*MISMATCH"):
+    with pytest.warns(RuntimeWarning, match=r"WrongJvp.jvp disagrees with its backward.*differentiates its backward"):
         spot_check(f, G, z, y, stream=io.StringIO())

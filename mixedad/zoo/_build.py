@@ -55,8 +55,10 @@ def _calibrate(module, input_shape):
     try:
         # PyTorch's own formulas where they exist, so calibration does not depend on the fast
         # layer kernels; the local rule and written formulas where they do not (custom ops, cdist).
+        # Grad enabled, as in mixedad's own pass: the rules read grad mode at each op.
         rules = OpRules("zoo calibration", skip=(FROZEN, ATTENTION))
-        with FORWARD_PASS_LOCK, differentiable_attention(), forward_ad.dual_level(), rules, routing(rules):
+        with FORWARD_PASS_LOCK, differentiable_attention(), forward_ad.dual_level(), torch.enable_grad(), rules, \
+                routing(rules):
             module(forward_ad.make_dual(torch.randn(input_shape), torch.randn(input_shape)))
     finally:
         for handle in handles:

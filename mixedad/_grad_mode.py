@@ -1,0 +1,68 @@
+r"""Grad mode inside G, read from torch at every op: what G computes with grad off is a constant.
+
+Forward-mode AD ignores grad mode (documented upstream): a tangent flows through a
+``torch.no_grad()`` block inside G, while double backward treats what the block computes as a
+constant. mixedad follows reverse mode by reading torch's own grad mode, at each op of its pass,
+the way autograd itself does. G runs with grad enabled, as in a plain call, and then:
+
+- an op called while ``torch.is_grad_enabled()`` is False gets the primals of its arguments,
+  so its results carry no tangent. That holds however G turned grad off: ``with
+  torch.no_grad()``, the ``@torch.no_grad()`` decorator, ``torch.set_grad_enabled(False)`` as a
+  context or as a plain call, ``torch._C._set_grad_enabled(False)``, inference mode;
+- an op called while grad is enabled (at G's top level, or inside ``torch.enable_grad()``
+  nested in a no-grad region) keeps its tangents, and runs with grad disabled, so that no
+  reverse graph is recorded for G's parameters or for tensors G closes over: memory stays flat.
+
+.. math::
+
+    \dot{\mathrm{out}} = \begin{cases} J_{\mathrm{op}}\, \dot{\mathrm{in}} &
+    \text{grad enabled at the call} \\ 0 & \text{grad disabled at the call} \end{cases}
+
+No torch class or attribute is replaced, and nothing is left behind: a region G leaves open (a
+Python generator suspended inside ``with torch.no_grad():``) is the generator's business, as
+in a plain call, and mixedad restores the grad mode it found when its pass ends.
+"""
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mixedad._trees import tree_map
+
+#: Torch functions that set grad mode themselves: run as they are, never inside a no-graph block
+#: (whose end would undo what they set).
+GRAD_MODE_SETTERS = frozenset({torch._C._set_grad_enabled})
+
+
+def primals(tree):
+    """``tree`` with every tensor detached: dual tensors and torch.func's wrapped tensors lose
+    their tangents (``detach`` is stop-gradient in forward AD and in torch.func alike)."""
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+
+
+@contextlib.contextmanager
+def no_graph():
+    """Grad disabled for the block and re-enabled after it; for ops called with grad enabled."""
+    torch._C._set_grad_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled(True)
+
+
+def run_as_constant(func, args, kwargs):
+    """``func`` on the primals of its arguments: what an op called with grad disabled gives."""
+    return func(*primals(args), **primals(kwargs))
+
+
+class ReadGradMode(TorchFunctionMode):
+    """Grad mode read at each op, for passes under torch.func transforms (where the op rules step aside)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in GRAD_MODE_SETTERS:
+            return func(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return run_as_constant(func, args, kwargs)
+        with no_graph():
+            return func(*args, **kwargs)
