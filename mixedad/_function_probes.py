@@ -161,7 +161,7 @@ def _dot_product_test(apply, leaves, spec, positions, bases, live, us, pulled, r
     ts = [rand(b) for b in bases]
     work = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     for i, b, t in zip(positions, bases, ts):
-        work[i] = dual(b.detach().clone(), t)
+        work[i] = dual(b.detach().clone(), t.clone())  # the jvp may write into its tangent
     rng = RngState()
     try:
         with torch.no_grad():

@@ -27,7 +27,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixedad._trees import tree_map
+from mixedad._trees import tree_flatten, tree_map, tree_unflatten
 
 #: Torch functions that set grad mode themselves: run as they are, never inside a no-graph block
 #: (whose end would undo what they set).
@@ -51,8 +51,22 @@ def no_graph():
 
 
 def run_as_constant(func, args, kwargs):
-    """``func`` on the primals of its arguments: what an op called with grad disabled gives."""
-    return func(*primals(args), **primals(kwargs))
+    """``func`` on the primals of its arguments: what an op called with grad disabled gives.
+
+    An op that writes into an argument and returns it (``x.mul_(2)``, ``out=``, a custom
+    Function with ``ctx.mark_dirty``) returns the caller's own tensor, as it would in a plain
+    call: its values change, its tangent does not (reverse mode does not see the write either).
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    stripped = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+    call_args, call_kwargs = tree_unflatten(stripped, spec)
+    result = func(*call_args, **call_kwargs)
+    owners = {id(d): t for d, t in zip(stripped, leaves) if isinstance(t, torch.Tensor)}
+    if isinstance(result, torch.Tensor):
+        return owners.get(id(result), result)
+    if isinstance(result, (tuple, list)) and any(id(r) in owners for r in result):
+        return type(result)(owners.get(id(r), r) for r in result)
+    return result
 
 
 class ReadGradMode(TorchFunctionMode):

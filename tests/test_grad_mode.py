@@ -107,6 +107,13 @@ def no_grad_in_custom_forward(z):
     return _Scale.apply(layer(z)) * layer(z)
 
 
+def in_place_write_in_no_grad(z):
+    h = layer(z) + 0.0
+    with torch.no_grad():
+        k = h.mul_(2)  # k is h: values doubled, derivative unchanged (autograd does not see the write)
+    return k * layer(h)
+
+
 class _Scale(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -146,6 +153,7 @@ CASES = {
     "grad left off at G's return": left_off_at_return,
     "inference_mode region": inference_mode_region,
     "no_grad in a custom Function's forward": no_grad_in_custom_forward,
+    "in-place write in no_grad": in_place_write_in_no_grad,
 }
 
 
