@@ -3,7 +3,9 @@ r"""Pushing tangents forward through a frozen generator G: mixedad's front end.
 The front end computes :math:`g = G(z)` and :math:`\dot g = J_G(z)\, v` together. What happens
 to each op of G is decided in one place, :mod:`mixedad.op_rules`; this module runs the pass:
 
-- **forward** (the default): forward-mode AD under ``torch.no_grad()``. Outside torch.func
+- **forward** (the default): forward-mode AD, G running with grad enabled as in a plain call and
+  grad mode read at each op (:mod:`mixedad._grad_mode`: what G computes with grad off is a
+  constant; ops run with grad on record no reverse graph). Outside torch.func
   transforms it uses ``torch.autograd.forward_ad`` (dual tensors), which also runs BatchNorm in
   train mode (its running statistics are updated once and never become dual), with
   :class:`mixedad.op_rules.OpRules` deciding each op's path: fast frozen-layer rules, written
