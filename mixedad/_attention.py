@@ -74,6 +74,17 @@ def _block_rows(start, lq, lk, budget, is_causal):
     return max(1, min(lq - start, n))
 
 
+def _safe_softmax(s):
+    """Softmax over the last dim, 0 on rows that see no key (all -inf), as PyTorch's kernels give.
+
+    A plain softmax of such a row is NaN; its output row is 0 in PyTorch (the math backend's
+    safe softmax), and so are its tangent and its derivative in double backward.
+    """
+    p = torch.softmax(s, dim=-1)
+    blind = s.amax(dim=-1, keepdim=True) == float("-inf")
+    return p.masked_fill_(blind, 0.0) if bool(blind.any()) else p
+
+
 def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=False, scale=None,
                       enable_gqa=False, block_bytes=None):
     r"""The tangent of ``out = scaled_dot_product_attention(q, k, v, ...)``, a block of queries at a time.
@@ -119,7 +130,7 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
         if is_causal and start + 1 < cols.stop:  # only the keys beyond the block's first row
             later = torch.arange(start + 1, cols.stop, device=q.device) > torch.arange(start, rows.stop, device=q.device)[:, None]
             s[..., start + 1:cols.stop].masked_fill_(later, float("-inf"))
-        p = torch.softmax(s, dim=-1)
+        p = _safe_softmax(s)
         del s
         d_o = None if dv is None else p @ dv[..., cols, :]
         if left is not None:

@@ -70,12 +70,30 @@ def run_as_constant(func, args, kwargs):
 
 
 class ReadGradMode(TorchFunctionMode):
-    """Grad mode read at each op, for passes under torch.func transforms (where the op rules step aside)."""
+    """Grad mode read at each op, for passes under torch.func transforms (where the op rules step aside).
+
+    ``refuse`` maps torch functions that the pass cannot take there (``torch.autograd.grad``
+    inside G, gradient hooks) to the reason, and ``refusal(reason)`` builds the error to raise.
+    Inference mode entered inside G is refused too.
+    """
+
+    def __init__(self, refuse=None, refusal=RuntimeError):
+        super().__init__()
+        self.refuse, self.refusal = refuse or {}, refusal
+        level = torch._C._functorch.maybe_current_level()
+        self.level = -1 if level is None else level  # G runs one level deeper, inside the pass's jvp
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        level = torch._C._functorch.maybe_current_level()
+        if level is not None and level > self.level + 1:
+            return func(*args, **kwargs)  # a transform G runs inside itself (torch.func.grad in G)
         if func in GRAD_MODE_SETTERS:
             return func(*args, **kwargs)
+        if func in self.refuse:
+            raise self.refusal(self.refuse[func])
+        if torch.is_inference_mode_enabled():
+            raise self.refusal("G enters inference mode inside itself")
         if not torch.is_grad_enabled():
             return run_as_constant(func, args, kwargs)
         with no_graph():

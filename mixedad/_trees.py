@@ -20,3 +20,26 @@ def describe(obj):
     if isinstance(obj, torch.Tensor):
         return f"a {obj.dtype} tensor of shape {tuple(obj.shape)} on {obj.device}"
     return f"{type(obj).__name__}"
+
+
+def differentiable(leaf):
+    """Whether a leaf of G's output carries a derivative: a floating-point tensor. Other leaves
+    (integer indices, None, Python numbers) reach f as constants, as in a plain call."""
+    import torch
+
+    return isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+
+
+def graph_inputs(g_leaves):
+    """(``g_in``, ``g_work``, ``index``) for differentiating f in G's output.
+
+    ``g_work``: a fresh leaf requiring grad for each differentiable leaf of g (at ``index``);
+    ``g_in``: what f receives: clones of those (f may write into g, as it may in the naive code)
+    and the other leaves as they are.
+    """
+    index = [i for i, leaf in enumerate(g_leaves) if differentiable(leaf)]
+    g_work = [g_leaves[i].detach().requires_grad_() for i in index]
+    g_in = list(g_leaves)
+    for i, w in zip(index, g_work):
+        g_in[i] = w.clone()
+    return g_in, g_work, index

@@ -17,7 +17,7 @@ from torch.func import grad, jvp
 from mixedad import _checks
 from mixedad.state import RngState
 from mixedad._transforms import in_functorch_transform, under_differentiating_transform
-from mixedad._trees import tree_unflatten
+from mixedad._trees import differentiable, graph_inputs, tree_unflatten
 
 
 def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, *, create_graph):
@@ -36,13 +36,14 @@ def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves,
         return _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph)
     with torch.enable_grad():
         y_work = _checks.y_aliases(y_leaves)
-        g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]
-        g_in = [leaf.clone() for leaf in g_work]  # f may write into g (g.mul_(2)), as it may in the naive code
+        g_in, g_work, index = graph_inputs(g_leaves)
         out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
         _checks.check_scalar_output(call, out)
         out = out.reshape(())
-        df_dg = torch.autograd.grad(out, g_work, create_graph=True, allow_unused=True) if out.requires_grad else []
-        pairs = [(d, t) for d, t in zip(df_dg, tangent_leaves) if d is not None and d.requires_grad]
+        df_dg = (torch.autograd.grad(out, g_work, create_graph=True, allow_unused=True)
+                 if out.requires_grad and g_work else [])
+        tangents = [tangent_leaves[i] for i in index]
+        pairs = [(d, t) for d, t in zip(df_dg, tangents) if d is not None and d.requires_grad]
         grads = [None] * len(y_work)
         if pairs:
             grads = torch.autograd.grad([d for d, _ in pairs], y_work, grad_outputs=[t for _, t in pairs],
@@ -51,13 +52,17 @@ def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves,
 
 
 def _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph):
-    g_primals, g_tangents = tuple(g_leaves), tuple(tangent_leaves)
+    index = [i for i, leaf in enumerate(g_leaves) if differentiable(leaf)]
+    g_primals, g_tangents = tuple(g_leaves[i] for i in index), tuple(tangent_leaves[i] for i in index)
 
     def directional(y_work):
         y_tree = tree_unflatten(list(y_work), y_spec)
 
         def f_of_g(*g_work):
-            out = f(y_tree, tree_unflatten([g.clone() for g in g_work], g_spec))  # f may write into g
+            g_in = list(g_leaves)
+            for i, g in zip(index, g_work):
+                g_in[i] = g.clone()  # f may write into g
+            out = f(y_tree, tree_unflatten(g_in, g_spec))
             _checks.check_scalar_output(call, out)
             return out.reshape(())
 
@@ -98,15 +103,18 @@ def f_cotangent(call, f, y_leaves, y_spec, *, create_graph=False):
         rng = RngState()
         try:
             with torch.enable_grad():
-                g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]
+                g_in, g_work, index = graph_inputs(g_leaves)
                 y_tree = tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec)
-                out = f(y_tree, tree_unflatten([g.clone() for g in g_work], g_spec))
+                out = f(y_tree, tree_unflatten(g_in, g_spec))
                 _checks.check_scalar_output(call, out)
                 out = out.reshape(())
-                grads = (torch.autograd.grad(out, g_work, allow_unused=True) if out.requires_grad
+                grads = (torch.autograd.grad(out, g_work, allow_unused=True) if out.requires_grad and g_work
                          else [None] * len(g_work))
         finally:
             rng.restore()
-        return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, g_leaves)]
+        result = [None] * len(g_leaves)
+        for i, g, w in zip(index, grads, g_work):
+            result[i] = torch.zeros_like(w) if g is None else g
+        return result
 
     return cotangent

@@ -6,7 +6,7 @@ from mixedad import _checks
 from mixedad._attention import DropoutOnMathBackend
 from mixedad._function_hook import routing
 from mixedad._entry import public_call
-from mixedad._trees import tree_flatten, tree_unflatten
+from mixedad._trees import differentiable, graph_inputs, tree_flatten, tree_unflatten
 from mixedad.contract import contract_f_with_tangent, f_cotangent
 from mixedad.op_rules import CheckpointsRunDirectly
 from mixedad.state import RngState, Snapshot
@@ -50,9 +50,10 @@ def input_grad(f, G, z, y, *, chunk_size=None, strategy="auto"):
     checked. The result can be differentiated once (``create_graph=True`` through it raises).
 
     **Train mode.** Each chunk's backward replay starts from the state its forward saw: the
-    random state (so dropout draws the same masks) and the buffers of train-mode modules
-    (BatchNorm statistics, spectral norm's ``u``/``v``, EMAs), recorded before every chunk; that
-    record costs one copy of those buffers per chunk. Buffers are updated once per chunk by the
+    random state (so dropout draws the same masks), the buffers of train-mode modules
+    (BatchNorm statistics, spectral norm's ``u``/``v``, EMAs) and the small buffers of eval-mode
+    modules (step counters), recorded before every chunk; that record costs one copy of those
+    buffers per chunk. Buffers are updated once per chunk by the
     forward, as the naive code updates them, and end as it leaves them (see :mod:`mixedad.state`).
     With ``chunk_size``, f must be a sum over latent codes; this is checked on the first two chunks.
 
@@ -108,22 +109,24 @@ def gradient_chunk(f, G, z_chunks, y_leaves, y_spec):
     # (they refuse .grad()).
     with torch.enable_grad(), DropoutOnMathBackend(), routing(CheckpointsRunDirectly()):
         z_work = [zc.detach().requires_grad_() for zc in z_chunks]
-        g_leaves, g_spec = tree_flatten(frozen(G)(*z_work))
-        g_work = [leaf.detach().requires_grad_() for leaf in g_leaves]
-        g_in = [leaf.clone() for leaf in g_work]  # f may write into g (g.mul_(2)), as it may in the naive code
+        with torch.enable_grad():  # grad mode back on after G, even if G leaves it off
+            g_leaves, g_spec = tree_flatten(frozen(G)(*z_work))
+        g_in, g_work, index = graph_inputs(g_leaves)
         y_work = [leaf.detach().requires_grad_() for leaf in y_leaves]
         out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
         _checks.check_scalar_output(CALL, out)
         _checks.check_no_foreign_leaves(CALL, out, y_work + g_work)
-        df_dg = torch.autograd.grad(out.reshape(()), g_work, allow_unused=True) if out.requires_grad else [None] * len(g_work)
-        pairs = [(g, d) for g, d in zip(g_leaves, df_dg) if d is not None and g.requires_grad]
+        df_dg = (torch.autograd.grad(out.reshape(()), g_work, allow_unused=True) if out.requires_grad and g_work
+                 else [None] * len(g_work))
+        pairs = [(g_leaves[i], d) for i, d in zip(index, df_dg) if d is not None and g_leaves[i].requires_grad]
         grads = [None] * len(z_work)
         if pairs:
             grads = torch.autograd.grad(
                 [g for g, _ in pairs], z_work, grad_outputs=[d for _, d in pairs], allow_unused=True
             )
     pieces = [torch.zeros_like(zc) if d is None else d for d, zc in zip(grads, z_chunks)]
-    return pieces, ([leaf.detach() for leaf in g_leaves], g_spec, out.detach().reshape(()))
+    return pieces, ([leaf.detach() if differentiable(leaf) else leaf for leaf in g_leaves], g_spec,
+                    out.detach().reshape(()))
 
 
 def check_sum_over_codes(f, y_leaves, y_spec, first, second):
@@ -137,7 +140,7 @@ def check_sum_over_codes(f, y_leaves, y_spec, first, second):
     is restored afterwards. Outputs that cannot be joined along dim 0 are not checked.
     """
     (g1, spec, f1), (g2, _, f2) = first, second
-    if any(a.dim() == 0 or a.shape[1:] != b.shape[1:] for a, b in zip(g1, g2)):
+    if any(not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[1:] != b.shape[1:] for a, b in zip(g1, g2)):
         return
     rng = RngState()
     try:

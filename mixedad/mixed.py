@@ -5,7 +5,7 @@ from torch.func import vmap
 from mixedad import _checks
 from mixedad._entry import public_call
 from mixedad._trees import tree_unflatten
-from mixedad.op_rules import FunctionUnderTransformError
+from mixedad.op_rules import UnderTransformError
 from mixedad.contract import contract_f_with_tangent, f_cotangent
 from mixedad.state import RngState
 from mixedad.tangents import eager, push_tangent
@@ -115,10 +115,11 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
     default, None, pushes all ``z.numel()`` tangents at once). Peak memory does not grow with
     G's depth.
 
-    A G holding custom ``autograd.Function``\ s that torch.func cannot batch (no
-    ``setup_context``, or no ``jvp``: StyleGAN-style ops) is computed one tangent per pass
-    instead, each with mixedad's per-op rules: exact and flat in depth, at one forward pass of G
-    per entry of z.
+    A G that does what torch.func cannot batch (custom ``autograd.Function``\ s without
+    ``setup_context`` or ``jvp``, as StyleGAN-style ops; gradient hooks; ``torch.autograd.grad``
+    inside G; inference mode inside G; threads started by G; grad left off at return) is computed
+    one tangent per pass instead, each with mixedad's per-op rules and fallbacks: exact, at one
+    forward pass of G per entry of z.
 
     Every batch replays the random state of the first, so dropout masks agree across rows and
     the RNG ends where one forward pass leaves it. BatchNorm in train mode cannot run under
@@ -170,10 +171,10 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
         rng.restore()
         try:
             rows.append(rows_of(basis))
-        except FunctionUnderTransformError:
+        except UnderTransformError:
             if rows_of is one_by_one:
                 raise
-            rows_of = one_by_one  # a custom Function torch.func cannot batch: one pass per tangent
+            rows_of = one_by_one  # G does what torch.func cannot batch: one pass per tangent
             rng.restore()
             rows.append(rows_of(basis))
     return torch.cat(rows).reshape(*z.shape, *y.shape)

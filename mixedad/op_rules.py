@@ -112,6 +112,9 @@ REVERSE_MODE_INSIDE = {
     torch.Tensor.register_hook: "G registers a gradient hook (Tensor.register_hook), which forward mode never runs",
 }
 GRADIENT_HOOKS = (torch.Tensor.register_hook,)
+#: ``t.requires_grad`` as G reads it: True for a tensor that carries a tangent, as in reverse mode
+#: (G may branch on it: ``if h.requires_grad: h.register_hook(...)``).
+REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
 _WARNED_JVP = weakref.WeakSet()
 
 
@@ -122,6 +125,11 @@ def _warn_jvp_disagrees(call, cls, numbers):
         f"t, u gives <jvp(t), u> = {lhs:.6g} but <t, backward(u)> = {rhs:.6g}. Reverse mode is the "
         f"meaning, so mixedad differentiates its backward instead (the local double-VJP rule). "
         f"Fix the jvp, or remove it.", RuntimeWarning, stacklevel=2)
+
+
+class UnderTransformError(OpRuleError):
+    """Something in G that mixedad cannot do inside a torch.func transform (vmap over mixed_grad,
+    mixed_jacobian's batched pass); ``mixed_jacobian`` then pushes one tangent per pass."""
 
 
 class RestartPass(Exception):
@@ -278,6 +286,8 @@ class OpRules(TorchFunctionMode):
             return run_inside(self, func, args, kwargs)
         if func in REVERSE_MODE_INSIDE:
             raise NeedsWholeG(REVERSE_MODE_INSIDE[func], at_cotangent=func in GRADIENT_HOOKS)
+        if func == REQUIRES_GRAD and any_tangent(args):
+            return True  # as in reverse mode, where what depends on z requires grad
         with no_graph():  # tangents only: no reverse graph through G's parameters
             return self._dispatch(func, args, kwargs)
 
@@ -342,7 +352,7 @@ class OpRules(TorchFunctionMode):
             found = probes.verdict(cls, apply, args, kwargs, with_jvp=own_jvp)
         if not found.linear:
             raise NeedsWholeG(f"{name} has a backward that is not linear in its incoming gradient (gradient "
-                              f"clipping or normalisation?), so only double backward's own cotangent gives "
+                              f"clipping or normalisation?), and only double backward's own cotangent gives "
                               f"its derivative", at_cotangent=True)
         if own_jvp and not found.jvp_agrees and cls not in _WARNED_JVP:
             _WARNED_JVP.add(cls)
@@ -403,7 +413,7 @@ class FunctionsUnderTransforms:
         return original_apply(cls, *args, **kwargs)
 
 
-class FunctionUnderTransformError(OpRuleError):
+class FunctionUnderTransformError(UnderTransformError):
     """A custom Function that torch.func cannot run inside mixedad's batched pass."""
 
 

@@ -33,6 +33,7 @@ different random numbers than eager replays would.
 import contextlib
 import functools
 import re
+import sys
 import threading
 import warnings
 
@@ -47,8 +48,9 @@ from mixedad._grad_mode import ReadGradMode
 from mixedad._local_rule import NeedsWholeG
 from mixedad._nesting import one_pass
 from mixedad._transforms import in_functorch_transform
-from mixedad._trees import describe, tree_flatten, tree_unflatten
-from mixedad.op_rules import SKIPPABLE, FunctionsUnderTransforms, OpRules, RestartPass, ReverseMode
+from mixedad._trees import describe, differentiable, tree_flatten, tree_unflatten
+from mixedad.op_rules import (REVERSE_MODE_INSIDE, SKIPPABLE, FunctionsUnderTransforms, OpRules, RestartPass,
+                               ReverseMode, UnderTransformError)
 from mixedad.state import Snapshot
 
 STRATEGIES = ("auto", "forward", "reverse")
@@ -151,13 +153,32 @@ def differentiable_attention():
 
 
 def _check_outputs(call, g_leaves, out=None):
+    """G's output must hold a floating-point tensor; its other leaves (indices, None) reach f as constants."""
     if not g_leaves:
         raise ValueError(f"{call}: expected G(z) to return a tensor or a pytree holding at least one tensor, "
                          f"got {describe(out)}.")
-    for i, leaf in enumerate(g_leaves):
-        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
-            where = "G(z)" if len(g_leaves) == 1 else f"G(z)'s leaf {i}"
-            raise TypeError(f"{call}: expected {where} to be a floating-point tensor, got {describe(leaf)}.")
+    if not any(differentiable(leaf) for leaf in g_leaves):
+        what = describe(out) if len(g_leaves) > 1 else describe(g_leaves[0])
+        raise TypeError(f"{call}: expected G(z) to be a floating-point tensor or to hold one, got {what}.")
+
+
+def _tensors_only(call, G, refusal):
+    """G for torch.func.jvp and vjp, which need tensors: its flat leaves, and the spec on the side.
+
+    Returns ``(G_flat, spec)``; ``spec[0]`` holds the output's pytree spec once G has run. A G
+    whose output holds other leaves (indices, None) is refused there: ``refusal(reason)``.
+    """
+    spec = [None]
+
+    def G_flat(*zs):
+        out = G(*zs)
+        leaves, spec[0] = tree_flatten(out)
+        _check_outputs(call, leaves, out)
+        if not all(differentiable(leaf) for leaf in leaves):
+            raise refusal("G(z) holds leaves that are not floating-point tensors")
+        return tuple(leaves)
+
+    return G_flat, spec
 
 
 def _own_memory(t):
@@ -176,9 +197,24 @@ def _forward(call, G, zs, vs, rules):
     if rules is None:
         rules = OpRules(call, skip=SKIPPABLE)
     if in_functorch_transform():
+        def refusal(reason):
+            return UnderTransformError(
+                f"{call}: {reason}, which mixedad cannot follow inside a torch.func transform (vmap over "
+                f"mixed_grad, or a batched pass). Call mixed_grad once per tangent (mixed_jacobian does "
+                f"that by itself), where mixedad gives double backward's answer.")
+
+        if isinstance(G, nn.Module) and _backward_hooks(G.modules()):
+            raise refusal(_HOOKED)
         try:
-            with torch.enable_grad(), differentiable_attention(), ReadGradMode(), routing(FunctionsUnderTransforms(call)):
-                g, g_dot = jvp(G, tuple(z.detach() for z in zs), tuple(v.detach() for v in vs))
+            with torch.enable_grad(), differentiable_attention(), routing(FunctionsUnderTransforms(call)), \
+                    _watching_threads() as threads:
+                G_flat, spec = _tensors_only(call, G, refusal)
+                with ReadGradMode(REVERSE_MODE_INSIDE, refusal):
+                    g, g_dot = jvp(G_flat, tuple(z.detach() for z in zs), tuple(v.detach() for v in vs))
+                if not torch.is_grad_enabled():
+                    raise refusal("G leaves grad mode off when it returns")
+            if threads:
+                raise refusal(_THREADS)
         except RuntimeError as error:
             if "mutate a captured Tensor" in str(error):
                 raise RuntimeError(
@@ -187,9 +223,7 @@ def _forward(call, G, zs, vs, rules):
                     f"or loop over mixed_grad instead of vmapping it."
                 ) from error
             raise
-        g_leaves, spec = tree_flatten(g)
-        _check_outputs(call, g_leaves, g)
-        return g_leaves, tree_flatten(g_dot)[0], spec
+        return list(g), list(g_dot), spec[0]
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.enable_grad())
         # With the attention rule, SDPA keeps the user's fused kernel; without it, forward AD
@@ -197,12 +231,42 @@ def _forward(call, G, zs, vs, rules):
         stack.enter_context(no_fused_attention_layers() if rules.attention else differentiable_attention())
         stack.enter_context(forward_ad.dual_level())
         duals = [forward_ad.make_dual(_own_memory(z), _own_memory(v)) for z, v in zip(zs, vs)]
-        with rules, routing(rules):
-            out = G(*duals)
+        with _watching_threads() as threads:
+            with rules, routing(rules):
+                out = G(*duals)
+        if threads:
+            raise NeedsWholeG(_THREADS)
         out_leaves, spec = tree_flatten(out)
         _check_outputs(call, out_leaves, out)
-        unpacked = [forward_ad.unpack_dual(leaf) for leaf in out_leaves]
-    return [u.primal for u in unpacked], [u.tangent for u in unpacked], spec
+        unpacked = [forward_ad.unpack_dual(leaf) if differentiable(leaf) else (leaf, None) for leaf in out_leaves]
+    return [u[0] for u in unpacked], [u[1] for u in unpacked], spec
+
+
+_THREADS = ("G starts threads while it runs, and mixedad's dispatch (grad mode, per-op rules) cannot "
+            "follow it into them")
+
+
+@contextlib.contextmanager
+def _watching_threads():
+    """Record the Python threads started while the block runs (a list of their ids).
+
+    mixedad's dispatch is per thread: ops that G runs in a thread of its own would carry
+    tangents without its rules. ``threading.setprofile`` reaches every thread started in the
+    window; the hook records the thread at its first event and hands it the profile function
+    that was set before (usually none).
+    """
+    started = []
+    previous = threading.getprofile()
+
+    def first_event(frame, event, arg):
+        started.append(threading.get_ident())
+        sys.setprofile(previous)
+
+    threading.setprofile(first_event)
+    try:
+        yield started
+    finally:
+        threading.setprofile(previous)
 
 
 def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False):
@@ -214,13 +278,13 @@ def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False):
     which reproduces exactly what double backward computes. Memory grows with G's depth.
     """
     if in_functorch_transform():
-        out, pullback = vjp(lambda *z: G(*z), *zs)
-        g_leaves, spec = tree_flatten(out)
-        _check_outputs(call, g_leaves, out)
-        ones = tree_unflatten([torch.ones_like(leaf) for leaf in g_leaves], spec)
-        _, pullback_of_pullback = vjp(pullback, ones)
+        G_flat, spec = _tensors_only(call, G, lambda reason: UnderTransformError(f"{call}: {reason} inside a torch.func "
+                                                                                  f"transform; call mixed_grad once "
+                                                                                  f"per tangent."))
+        g, pullback = vjp(G_flat, *zs)
+        _, pullback_of_pullback = vjp(pullback, tuple(torch.ones_like(t) for t in g))
         (g_dot,) = pullback_of_pullback(tuple(vs))
-        return [leaf.detach() for leaf in g_leaves], tree_flatten(g_dot)[0], spec
+        return [leaf.detach() for leaf in g], list(g_dot), spec[0]
     watch = ReverseMode()
     with torch.enable_grad(), differentiable_attention(), routing(watch):
         z_work = [z.detach().requires_grad_() for z in zs]
@@ -229,8 +293,8 @@ def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False):
         g_leaves, spec = tree_flatten(out)
         _check_outputs(call, g_leaves, out)
         at_cotangent = at_cotangent or watch.at_cotangent
-        live = [i for i, leaf in enumerate(g_leaves) if leaf.requires_grad]
-        tangents = [torch.zeros_like(leaf) for leaf in g_leaves]
+        live = [i for i, leaf in enumerate(g_leaves) if differentiable(leaf) and leaf.requires_grad]
+        tangents = [torch.zeros_like(leaf) if differentiable(leaf) else None for leaf in g_leaves]
         if live:
             at = None
             if at_cotangent and cotangent is not None:
@@ -238,7 +302,7 @@ def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False):
             pushed = double_vjp(call, "G", [g_leaves[i] for i in live], z_work, list(vs), at=at)
             for i, t in zip(live, pushed):
                 tangents[i] = t
-    return [leaf.detach() for leaf in g_leaves], tangents, spec
+    return [leaf.detach() if differentiable(leaf) else leaf for leaf in g_leaves], tangents, spec
 
 
 #: How often one call may restart its forward pass to put a newly failed op on the local rule.
@@ -257,6 +321,10 @@ def _whole_g(call, G, zs, vs, strategy, reason, recorder, cotangent, at_cotangen
             f"grows with G's depth, and strategy='forward' forbids it. Use strategy='auto' (the "
             f"fallback, with a warning) or 'reverse'."
         )
+    if at_cotangent and in_functorch_transform():
+        raise UnderTransformError(f"{call}: {reason}, which mixedad cannot follow inside a torch.func transform "
+                                  f"(vmap over mixed_grad, or a batched pass). Call mixed_grad once per tangent "
+                                  f"(mixed_jacobian does that by itself).")
     if recorder is not None:
         recorder.fallback = reason
     _warn_once(("whole-G", reason, _g_name(G)),
@@ -342,6 +410,9 @@ def _push_forward(call, G, zs, vs, strategy, recorder, cotangent):
             snapshot.restore()
             return whole_g(str(error), at_cotangent=error.at_cotangent)
         except (RuntimeError, NotImplementedError) as error:
+            if _NESTED_FORWARD_AD in str(error):
+                snapshot.restore()
+                return whole_g("G uses forward-mode AD inside itself, and PyTorch cannot nest forward-mode AD")
             op = unsupported_op(error)
             if op is None:
                 raise
@@ -353,7 +424,7 @@ def _push_forward(call, G, zs, vs, strategy, recorder, cotangent):
     if _backward_hooks(snapshot.modules):  # modules that a G which is not a Module ran
         snapshot.restore()
         return whole_g(_HOOKED, at_cotangent=True)
-    lost = [i for i, t in enumerate(tangents) if t is None]
+    lost = [i for i, t in enumerate(tangents) if t is None and differentiable(g_leaves[i])]
     if not lost:
         return g_leaves, tangents, spec
     where = "G(z)" if len(tangents) == 1 else f"G(z)'s leaves {lost}"
@@ -376,4 +447,5 @@ def _push_forward(call, G, zs, vs, strategy, recorder, cotangent):
     return g_leaves, tangents, spec
 
 
+_NESTED_FORWARD_AD = "Nested forward mode AD is not supported"
 _HOOKED = "a module of G has backward hooks (register_full_backward_hook), which forward mode never runs"
