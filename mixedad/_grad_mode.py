@@ -98,3 +98,19 @@ class ReadGradMode(TorchFunctionMode):
             return run_as_constant(func, args, kwargs)
         with no_graph():
             return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def as_in_a_plain_call():
+    """Grad and forward-mode AD enabled for the block, as a plain call of G has them.
+
+    For the reverse passes that input_grad's forward runs inside its own autograd.Function,
+    whose forward PyTorch runs with both switched off: G may use either inside itself.
+    """
+    forward_before = torch._C._is_fwd_grad_enabled()
+    torch._C._set_fwd_grad_enabled(True)
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        torch._C._set_fwd_grad_enabled(forward_before)

@@ -6,6 +6,7 @@ from mixedad import _checks
 from mixedad._attention import DropoutOnMathBackend
 from mixedad._function_hook import routing
 from mixedad._entry import public_call
+from mixedad._grad_mode import as_in_a_plain_call
 from mixedad._trees import differentiable, graph_inputs, tree_flatten, tree_unflatten
 from mixedad.contract import contract_f_with_tangent, f_cotangent
 from mixedad.op_rules import CheckpointsRunDirectly
@@ -109,7 +110,7 @@ def gradient_chunk(f, G, z_chunks, y_leaves, y_spec):
     # (they refuse .grad()).
     with torch.enable_grad(), DropoutOnMathBackend(), routing(CheckpointsRunDirectly()):
         z_work = [zc.detach().requires_grad_() for zc in z_chunks]
-        with torch.enable_grad():  # grad mode back on after G, even if G leaves it off
+        with as_in_a_plain_call():  # and grad mode back on after G, even if G leaves it off
             g_leaves, g_spec = tree_flatten(frozen(G)(*z_work))
         g_in, g_work, index = graph_inputs(g_leaves)
         y_work = [leaf.detach().requires_grad_() for leaf in y_leaves]
@@ -164,10 +165,8 @@ def check_sum_over_codes(f, y_leaves, y_spec, first, second):
 
 class _InputGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, meta, *tensors):
+    def forward(meta, *tensors):
         zs, y_leaves = tensors[: meta.n_z], tensors[meta.n_z :]
-        ctx.meta = meta
-        ctx.save_for_backward(*tensors)
         outs = [torch.empty_like(zi) for zi in zs] if len(meta.chunks) > 1 else None
         seen = []  # the first two chunks' outputs and values, to check that f sums over codes
         for c in meta.chunks:
@@ -185,6 +184,12 @@ class _InputGrad(torch.autograd.Function):
             for out, piece in zip(outs, pieces):
                 out[c] = piece  # filled chunk by chunk: one copy of the result, not two
         return tuple(outs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # a separate setup_context: torch.func.grad can run it
+        meta, *tensors = inputs
+        ctx.meta = meta
+        ctx.save_for_backward(*tensors)
 
     @staticmethod
     @once_differentiable

@@ -63,6 +63,7 @@ from mixedad._function_hook import original_apply
 from mixedad._local_rule import NeedsWholeG, local_jvp
 from mixedad import _function_probes as probes
 from mixedad._grad_mode import GRAD_MODE_SETTERS, no_graph, run_as_constant
+from mixedad._threads import unwatched
 from mixedad._transforms import in_functorch_transform, under_vmap
 from mixedad._trees import tree_flatten
 
@@ -336,6 +337,12 @@ class OpRules(TorchFunctionMode):
         cotangent; a ``jvp`` that fails the dot-product test against the backward is not
         trusted (a warning, then the local rule); a Function without ``jvp`` takes the local rule.
         """
+        if cls is CheckpointFunction:
+            return self._custom_function(cls, args, kwargs)
+        with unwatched():  # threads a Function starts inside its forward are its own business
+            return self._custom_function(cls, args, kwargs)
+
+    def _custom_function(self, cls, args, kwargs):
         name = f"{cls.__qualname__} (custom Function)"
         apply = functools.partial(original_apply, cls)
         if cls is CheckpointFunction:

@@ -33,7 +33,6 @@ different random numbers than eager replays would.
 import contextlib
 import functools
 import re
-import sys
 import threading
 import warnings
 
@@ -47,6 +46,7 @@ from mixedad._function_hook import routing
 from mixedad._grad_mode import ReadGradMode
 from mixedad._local_rule import NeedsWholeG
 from mixedad._nesting import one_pass
+from mixedad._threads import watching_threads
 from mixedad._transforms import in_functorch_transform
 from mixedad._trees import describe, differentiable, tree_flatten, tree_unflatten
 from mixedad.op_rules import (REVERSE_MODE_INSIDE, SKIPPABLE, FunctionsUnderTransforms, OpRules, RestartPass,
@@ -207,7 +207,7 @@ def _forward(call, G, zs, vs, rules):
             raise refusal(_HOOKED)
         try:
             with torch.enable_grad(), differentiable_attention(), routing(FunctionsUnderTransforms(call)), \
-                    _watching_threads() as threads:
+                    watching_threads() as threads:
                 G_flat, spec = _tensors_only(call, G, refusal)
                 with ReadGradMode(REVERSE_MODE_INSIDE, refusal):
                     g, g_dot = jvp(G_flat, tuple(z.detach() for z in zs), tuple(v.detach() for v in vs))
@@ -231,7 +231,7 @@ def _forward(call, G, zs, vs, rules):
         stack.enter_context(no_fused_attention_layers() if rules.attention else differentiable_attention())
         stack.enter_context(forward_ad.dual_level())
         duals = [forward_ad.make_dual(_own_memory(z), _own_memory(v)) for z, v in zip(zs, vs)]
-        with _watching_threads() as threads:
+        with watching_threads() as threads:
             with rules, routing(rules):
                 out = G(*duals)
         if threads:
@@ -244,29 +244,6 @@ def _forward(call, G, zs, vs, rules):
 
 _THREADS = ("G starts threads while it runs, and mixedad's dispatch (grad mode, per-op rules) cannot "
             "follow it into them")
-
-
-@contextlib.contextmanager
-def _watching_threads():
-    """Record the Python threads started while the block runs (a list of their ids).
-
-    mixedad's dispatch is per thread: ops that G runs in a thread of its own would carry
-    tangents without its rules. ``threading.setprofile`` reaches every thread started in the
-    window; the hook records the thread at its first event and hands it the profile function
-    that was set before (usually none).
-    """
-    started = []
-    previous = threading.getprofile()
-
-    def first_event(frame, event, arg):
-        started.append(threading.get_ident())
-        sys.setprofile(previous)
-
-    threading.setprofile(first_event)
-    try:
-        yield started
-    finally:
-        threading.setprofile(previous)
 
 
 def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False):

@@ -2344,10 +2344,6 @@ def check(c):
 
 #: Cases still open, each with its reason: strict, so a fix shows up as an unexpected pass.
 OPEN = {
-    "nested_func_grad_over_input_grad": "input_grad's autograd.Function has no setup_context, so torch.func.grad "
-                                        "over input_grad raises torch.func's own error",
-    "input_grad__grad_G_uses_forward_ad_inside": "a G that opens its own forward-AD level inside input_grad's "
-                                                 "backward gets no tangent back and fails in its own code",
 }
 
 
