@@ -14,7 +14,9 @@ path                   used for
                        primal, the tangent a block of queries at a time, never the whole
                        :math:`T \times T` matrix (:mod:`mixedad._attention`)
 ``written formula``    ``torch.cdist`` and ``F.group_norm``, whose PyTorch formulas are missing
-                       or raise on channels-last input (:mod:`mixedad._formulas`)
+                       or raise on channels-last input (:mod:`mixedad._formulas`); fused
+                       multi-layer ``nn.LSTM``/``GRU``/``RNN`` calls, split into one call per
+                       layer that goes through this dispatch again (:mod:`mixedad._rnn`)
 ``local double-VJP``   ops in :data:`KNOWN_WRONG`, :data:`DROPS_TANGENT` and :data:`NO_FORMULA`,
                        custom Functions
                        without ``jvp``, and any op whose forward-AD formula raises:
@@ -26,7 +28,8 @@ path                   used for
 =====================  ======================================================================
 
 The first four keep memory flat in G's depth. An op whose formula raises is found at run time:
-the pass stops, G's random state and buffers are restored, the op is remembered (per input
+the pass stops, G's random state and buffers are restored, the op is remembered (an op without
+a formula per dtype and device of its floating-point inputs; another failure per input
 signature: dtypes, shapes, strides) and the pass starts again, with that op on the local rule
 from then on. A reentrant ``torch.utils.checkpoint`` block runs directly: mixedad's pass builds
 no reverse graph through G, so there is nothing to recompute.
@@ -61,6 +64,7 @@ from mixedad._formulas import cdist_rule, group_norm_rule
 from mixedad._frozen_layers import WEIGHTED, batch_norm_eval_rule, weighted_rule
 from mixedad._function_hook import original_apply
 from mixedad._local_rule import NeedsWholeG, local_jvp
+from mixedad._rnn import FUSED_RNNS, rnn_split_rule
 from mixedad import _function_probes as probes
 from mixedad._grad_mode import GRAD_MODE_SETTERS, no_graph, run_as_constant
 from mixedad._threads import unwatched
@@ -96,11 +100,16 @@ NO_FORMULA = ("cholesky", "ormqr", "index_reduce", "grid_sampler", "grid_sampler
 
 
 class Rule(NamedTuple):
-    """One path for one op: ``apply(call, func, args, kwargs)`` returns the result or NotImplemented."""
+    """One path for one op: ``apply(call, func, args, kwargs)`` returns the result or NotImplemented.
+
+    With ``reenters``, ``apply`` also takes keyword ``dispatch``: ``dispatch(func, *args)`` runs a
+    torch call through the dispatch again, so that call takes its own path (:mod:`mixedad._rnn`).
+    """
 
     path: str
     apply: Callable
     reason: str
+    reenters: bool = False
 
 
 #: Torch functions that need G's reverse graph: G differentiates inside itself, or changes its
@@ -163,6 +172,8 @@ def _build_table():
     table[F.scaled_dot_product_attention] = Rule(ATTENTION, sdpa_rule, "fused primal, blockwise tangent")
     table[torch.cdist] = Rule(FORMULA, cdist_rule, "no forward-AD formula; its backward is not differentiable")
     table[F.group_norm] = Rule(FORMULA, group_norm_rule, "PyTorch's formula raises on non-contiguous input")
+    for func in FUSED_RNNS:
+        table[func] = Rule(FORMULA, rnn_split_rule, "multi-layer RNN split per layer", reenters=True)
     for name, (issue, what) in KNOWN_WRONG.items():
         for func in _torch_funcs(name):
             table[func] = Rule(LOCAL, _local, f"known-wrong formula ({issue})")
@@ -179,8 +190,9 @@ def _build_table():
 #: The one table: torch function -> Rule. Ops not in it take plain forward AD.
 TABLE = _build_table()
 
-# Ops whose formula raised at run time: func -> {input signature: reason}. Shared by every pass
-# in the process, so each op and signature costs one restarted pass at most.
+# Ops whose formula raised at run time: func -> {key: reason}, the key an input signature, or for
+# an op without a formula the dtypes and devices of its floating-point inputs. Shared by every
+# pass in the process, so each op and key costs one restarted pass at most.
 _FAILED = {}
 _FAILED_LOCK = threading.Lock()
 _MAX_FAILED_SIGNATURES = 256
@@ -201,12 +213,24 @@ def _signature(args, kwargs):
     return (str(spec), tuple(parts))
 
 
+def _kinds(args, kwargs):
+    """The key of a "no formula" failure: the (dtype, device type) pairs of the op's floating inputs.
+
+    PyTorch picks an op's kernel, and with it whether there is a formula, by dtype and device (a
+    float32 LSTM on the CPU runs oneDNN's kernel, which has none; a float64 one does not).
+    """
+    kinds = {(leaf.dtype, leaf.device.type) for leaf in tree_flatten((args, kwargs))[0]
+             if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())}
+    return ("no formula", tuple(sorted(kinds, key=str)))
+
+
 def _remember_failure(func, args, kwargs, error):
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if len(reason) > 120:
         reason = reason[:117] + "..."
-    # "no formula" holds for every input; other failures (a size error, a layout) may not.
-    signature = None if "does not support it" in reason else _signature(args, kwargs)
+    # "no formula" holds for every input of the same dtypes and devices; other failures (a size
+    # error, a layout) may not.
+    signature = _kinds(args, kwargs) if "does not support it" in reason else _signature(args, kwargs)
     with _FAILED_LOCK:
         seen = _FAILED.setdefault(func, {})
         if len(seen) < _MAX_FAILED_SIGNATURES:
@@ -215,7 +239,7 @@ def _remember_failure(func, args, kwargs, error):
 
 def _failed_rule(func, args, kwargs):
     seen = _FAILED[func]
-    reason = seen.get(None) or seen.get(_signature(args, kwargs))
+    reason = seen.get(_kinds(args, kwargs)) or seen.get(_signature(args, kwargs))
     return None if reason is None else Rule(LOCAL, _local, reason)
 
 
@@ -316,7 +340,10 @@ class OpRules(TorchFunctionMode):
         return result
 
     def _apply(self, rule, func, args, kwargs):
-        result = rule.apply(self.call, func, args, kwargs)
+        if rule.reenters:
+            result = rule.apply(self.call, func, args, kwargs, dispatch=self._reenter)
+        else:
+            result = rule.apply(self.call, func, args, kwargs)
         if isinstance(result, Rerouted):
             if self.recorder is not None:
                 self.recorder.add(op_name(func), result.path, result.reason)
@@ -324,6 +351,11 @@ class OpRules(TorchFunctionMode):
         if result is not NotImplemented and self.recorder is not None:
             self.recorder.add(op_name(func), rule.path, rule.reason)
         return result
+
+    def _reenter(self, func, *args, **kwargs):
+        """``func(*args, **kwargs)`` through this dispatch, from inside a rule (grad on, as at the rule's op)."""
+        with torch.enable_grad(), self:
+            return func(*args, **kwargs)
 
     def _popped(self):
         return popped(self)
