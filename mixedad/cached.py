@@ -26,7 +26,8 @@ def cached_backward(f, inputs, g, *, chunk_size=1):
     would. Peak memory: one chunk's graph instead of all n, plus Z.
 
     **State.** Pass 2 sees what pass 1 saw: the random state (CPU and CUDA) and the buffers of
-    train-mode modules recorded before each chunk are replayed, so dropout draws the same masks,
+    train-mode modules (and the small ones of eval-mode modules, such as step counters) recorded
+    before each chunk are replayed, so dropout draws the same masks,
     BatchNorm in train mode normalises with the same batch statistics, and spectral norm's
     ``u``/``v`` and EMA buffers hold the values pass 1 used. Afterwards the running statistics, ``num_batches_tracked``
     and the RNG are as pass 1, that is the naive code, left them: pass 2's updates are undone

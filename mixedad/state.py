@@ -11,10 +11,23 @@ Policy, for every mixedad call:
   one plain train-mode forward of G on z (per chunk, as the chunked naive code would) updates
   them, never twice: replays restore the buffers they touched. They never hold a dual tensor.
 
-Snapshots copy the buffers of modules in training mode (those are the ones that update their
-buffers, like BatchNorm); buffers of eval-mode modules are watched through their version
-counters, and if one of those changes in a pass that must be undone, restoring raises instead
-of leaving G silently changed. When G is an ``nn.Module`` its modules are known up front; when
+What a snapshot keeps, per buffer (keyed by module and attribute name):
+
+- **Buffers of train-mode modules** (BatchNorm's statistics, spectral norm's ``u``/``v``):
+  copied by value, and always copied back on restore (BatchNorm's kernel updates its running
+  statistics without bumping their version counters, so a change cannot be detected cheaply).
+- **Small buffers of eval-mode modules**, at most :data:`SMALL_BUFFER_BYTES` each (step
+  counters, EMAs such as StyleGAN's ``w_avg``): copied by value too, and copied back when their
+  version counter shows an in-place change. Unchanged ones are not written, so a graph of the
+  caller's that saved them (eval BatchNorm saves its running statistics) stays valid.
+- **Larger buffers of eval-mode modules** (attention masks, rotary caches): not copied, which
+  would cost memory per snapshot; watched through their version counters instead. If one
+  changes in place in a pass that must be undone, restoring raises instead of leaving G
+  silently changed.
+- **Reassigned buffers** (``self.n = self.n + 1`` replaces the buffer object): restoring puts
+  the original object back under its name, then restores its values as above.
+
+When G is an ``nn.Module`` its modules are known up front; when
 it is any other callable (a lambda or function around modules), the modules are recorded as
 they first run inside :meth:`Snapshot.watching`, through a global forward pre-hook that exists
 only for that block.
@@ -23,6 +36,12 @@ import contextlib
 
 import torch
 from torch import nn
+
+#: The largest buffer (in bytes) of an eval-mode module that every snapshot copies by value;
+#: larger ones are only watched, and changing one in place in a pass that must be undone raises.
+#: 4 KiB holds counters, scalars and EMAs up to 512 float64 values, at a memory cost per
+#: snapshot (input_grad and cached_backward keep one per chunk) of at most 4 KiB per buffer.
+SMALL_BUFFER_BYTES = 4096
 
 
 class RngState:
@@ -62,10 +81,12 @@ class Snapshot:
         for name, buf in module.named_buffers(recurse=False):
             if buf is None:
                 continue
-            if module.training:
-                self.saved.append((buf, buf.detach().clone()))
+            entry = _Buffer(module, name, buf)
+            if module.training or entry.nbytes <= SMALL_BUFFER_BYTES:
+                entry.copy, entry.always = buf.detach().clone(), module.training
+                self.saved.append(entry)
             else:
-                self.watched.append((f"{type(module).__name__}.{name}", buf, buf._version))
+                self.watched.append(entry)
 
     @contextlib.contextmanager
     def watching(self):
@@ -80,14 +101,58 @@ class Snapshot:
             handle.remove()
 
     def restore(self):
+        """Put back the random state and every recorded buffer (object and values).
+
+        Raises:
+            RuntimeError: a watched eval-mode buffer (larger than :data:`SMALL_BUFFER_BYTES`)
+                was changed in place; everything else is restored first.
+        """
         self.rng.restore()
         with torch.no_grad():
-            for buf, copy in self.saved:
-                buf.copy_(copy)
-        for name, buf, version in self.watched:
-            if buf._version != version:
+            for entry in self.saved:
+                entry.put_back()
+                # Train-mode buffers always: BatchNorm updates its statistics without a version bump.
+                if entry.always or entry.changed():
+                    entry.tensor.copy_(entry.copy)
+                    entry.version = _version(entry.tensor)
+        for entry in self.watched:
+            entry.put_back()
+        for entry in self.watched:
+            if entry.changed():
                 raise RuntimeError(
-                    f"mixedad: G changed the buffer {name} of a module in eval mode in place during a "
-                    f"pass that had to be undone, and mixedad could not restore it. Put that module "
-                    f"in train mode (its buffers are then snapshotted) or stop it mutating buffers."
+                    f"mixedad: G changed the buffer {entry.label} of a module in eval mode in place during a "
+                    f"pass that had to be undone, and mixedad could not restore it: snapshots copy "
+                    f"eval-mode buffers of at most {SMALL_BUFFER_BYTES} bytes, and this one holds "
+                    f"{entry.nbytes}. Put that module in train mode (its buffers are then copied), "
+                    f"replace the buffer instead of writing into it (self.{entry.name} = new_value), or "
+                    f"stop it mutating buffers."
                 )
+
+
+class _Buffer:
+    """One buffer, by module and attribute name: the tensor object there when recorded.
+
+    ``copy`` holds its values when the snapshot copies it, else None; ``always`` says whether
+    restoring writes them back unconditionally (train mode) or only after an in-place change.
+    """
+
+    def __init__(self, module, name, tensor):
+        self.module, self.name, self.tensor, self.copy, self.always = module, name, tensor, None, False
+        self.version = _version(tensor)
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.label = f"{type(module).__name__}.{name}"
+
+    def put_back(self):
+        """Make the recorded tensor object the module's buffer again, if G reassigned the attribute."""
+        if self.module._buffers.get(self.name) is not self.tensor:
+            self.module._buffers[self.name] = self.tensor
+
+    def changed(self):
+        """Whether the recorded tensor was written in place since it was recorded (or last restored)."""
+        return _version(self.tensor) != self.version
+
+
+def _version(tensor):
+    """The version counter; None for an inference tensor, which has none (and which code outside
+    inference mode, where mixedad's passes run, cannot write in place)."""
+    return None if tensor.is_inference() else tensor._version

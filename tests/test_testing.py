@@ -1,11 +1,14 @@
 """mixedad.testing: relative errors that never call a NaN close."""
 import io
 import math
+import re
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 
 import mixedad
+from mixedad.reference import double_backward_mixed_grad
 from mixedad.testing import assert_close, max_relative_error, spot_check
 
 
@@ -86,3 +89,83 @@ def test_a_jvp_that_disagrees_with_its_backward_is_not_trusted():
     z, y = torch.randn(10, 4, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match=r"WrongJvp.jvp disagrees with its backward.*differentiates its backward"):
         spot_check(f, G, z, y, stream=io.StringIO())
+
+
+def test_atol_allows_round_off_only():
+    zero, noise = torch.zeros(3, dtype=torch.float64), torch.tensor([1e-17, -3e-17, 2e-17], dtype=torch.float64)
+    assert max_relative_error(noise, zero) > 1e200  # absolute against zero: round-off is "huge"
+    assert max_relative_error(noise, zero, atol=1e-15) == 0.0
+    assert max_relative_error(noise, -noise, atol=1e-17) == pytest.approx((6e-17 - 1e-17) / 3e-17)
+    e = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert max_relative_error(e * 1.001, e, atol=1e-15) == pytest.approx(1e-3)  # a real error stays
+    assert_close(noise, zero, atol=1e-15)
+    with pytest.raises(AssertionError, match=r"max relative error \(beyond atol 1.0e-17\)"):
+        assert_close(noise, zero, atol=1e-17)
+    for fn in (max_relative_error, assert_close):
+        with pytest.raises(TypeError, match=r"\(actual, expected\): expected atol to be a float, got str"):
+            fn(e, e, atol="1e-9")
+        with pytest.raises(ValueError, match=r"\(actual, expected\): expected atol to be non-negative and finite, got -1"):
+            fn(e, e, atol=-1.0)
+
+
+def centred_G(dtype):
+    """A shift of z along ones changes nothing: J_G 1 = 0, computed with round-off (7 is no power of 2)."""
+    W = torch.randn(7, 7, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    return lambda z: torch.tanh((z - z.mean(-1, keepdim=True)) @ W)
+
+
+def doubling_G(dtype):
+    return lambda z: 2 * z
+
+
+def off_by_1e3(make_G):
+    """make_G's G, whose forward-mode tangent alone gains 1e-3 of v: a silently wrong formula."""
+    def make(dtype):
+        G = make_G(dtype)
+
+        def wrong(z):
+            out = G(z)
+            if forward_ad.unpack_dual(z).tangent is not None:
+                out = out + 2e-3 * (z - z.detach())
+            return out
+        return wrong
+    return make
+
+
+def along_ones(z, gen):
+    return torch.randn(z.shape[0], 1, generator=gen, dtype=z.dtype).expand_as(z).contiguous()
+
+
+def generic(z, gen):
+    return torch.randn(z.shape, generator=gen, dtype=z.dtype)
+
+
+# (G for a dtype, v for z, whether spot_check passes)
+SPOT_CASES = {
+    "exact zero, both sides round-off": (centred_G, along_ones, True),
+    "honest, nonzero": (centred_G, generic, True),
+    "1e-3 wrong, nonzero": (off_by_1e3(doubling_G), generic, False),
+    "1e-3 of the terms wrong, exact zero": (off_by_1e3(centred_G), along_ones, False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("case", SPOT_CASES)
+def test_spot_check_allows_round_off_but_not_a_wrong_tangent(case, dtype):
+    make_G, make_v, passes = SPOT_CASES[case]
+    f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
+    gen = torch.Generator().manual_seed(4)  # a seed whose exact zeros come out as round-off in both dtypes
+    z, y = torch.randn(4, 7, generator=gen, dtype=dtype), torch.randn(4, 7, generator=gen, dtype=dtype)
+    v, G = make_v(z, gen), make_G(dtype)
+    rtol = mixedad.testing.RTOL[dtype]
+    if case.startswith("exact zero"):  # the flaw: relative to an answer that is itself round-off
+        ours, naive = mixedad.mixed_grad(f, G, z[:2], y[:2], v[:2]), double_backward_mixed_grad(f, G, z[:2], y[:2], v[:2])
+        assert 0 < naive.abs().max() < 1e3 * torch.finfo(dtype).eps and max_relative_error(ours, naive) > rtol
+    out = io.StringIO()
+    if passes:
+        assert spot_check(f, G, z, y, v, stream=out) <= rtol
+        assert out.getvalue().endswith("ok\n")
+    else:
+        with pytest.raises(AssertionError, match=r"max relative error (\S+) .*MISMATCH") as caught:
+            spot_check(f, G, z, y, v, stream=out)
+        assert float(re.search(r"max relative error (\S+)", str(caught.value)).group(1)) > 0.5e-3
