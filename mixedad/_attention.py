@@ -24,7 +24,11 @@ kernel that PyTorch picks; the tangent is the same code.
 Covered: ``attn_mask`` (bool, True = attend, or additive), ``is_causal`` (top-left aligned, as
 PyTorch's), ``scale``, ``enable_gqa``, query and key lengths that differ, any batch dimensions.
 The primal is the user's own call, fused where the device has a kernel, so ``G(z)`` is what a
-plain forward computes; the tangent uses that output :math:`O`.
+plain forward computes; the tangent uses that output :math:`O`. A query row that sees no key
+(an all-False bool row, an all -inf additive row: a fully padded sequence, causal attention
+over left padding) is 0 in PyTorch's kernels; its probabilities are 0 here too (a safe softmax
+that never forms the NaN of an all -inf softmax), so its tangent is 0, as double backward's
+derivative is. Rows masked only by large finite numbers (``finfo.min``) are ordinary rows.
 
 Dropout (``dropout_p > 0``) and a mask that itself carries a tangent go through PyTorch's math
 backend under forward AD instead: the fused kernels cannot hand out their dropout mask, and the
@@ -74,15 +78,25 @@ def _block_rows(start, lq, lk, budget, is_causal):
     return max(1, min(lq - start, n))
 
 
-def _safe_softmax(s):
-    """Softmax over the last dim, 0 on rows that see no key (all -inf), as PyTorch's kernels give.
+def _safe_softmax_(s):
+    r"""Softmax over the last dim in place, 0 on rows that see no key (all -inf), as PyTorch's kernels give.
 
-    A plain softmax of such a row is NaN; its output row is 0 in PyTorch (the math backend's
-    safe softmax), and so are its tangent and its derivative in double backward.
+    .. math::
+
+        P_{ij} = \frac{\exp(S_{ij} - m_i)}{\sum_k \exp(S_{ik} - m_i)}, \qquad
+        m_i = \max_k S_{ik}, \quad\text{and } P_{i\cdot} = 0 \text{ where } m_i = -\infty
+
+    A plain softmax of an all -inf row is NaN (:math:`-\infty - (-\infty)`); PyTorch's kernels
+    give 0 there (the math backend's safe softmax), and so are the row's tangent and its
+    derivative in double backward. Such a row is shifted by 0 instead of its max and divided by
+    1 instead of its (zero) sum, so no NaN is ever formed; rows that mix -inf with finite
+    entries (``finfo.min`` masks) are ordinary rows. No host synchronisation: it runs on meta
+    tensors and under ``torch.func`` transforms.
     """
-    p = torch.softmax(s, dim=-1)
-    blind = s.amax(dim=-1, keepdim=True) == float("-inf")
-    return p.masked_fill_(blind, 0.0) if bool(blind.any()) else p
+    top = s.amax(dim=-1, keepdim=True)
+    blind = top == float("-inf")
+    p = s.sub_(top.masked_fill_(blind, 0.0)).exp_()
+    return p.div_(p.sum(dim=-1, keepdim=True).masked_fill_(blind, 1.0))
 
 
 def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=False, scale=None,
@@ -130,7 +144,7 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
         if is_causal and start + 1 < cols.stop:  # only the keys beyond the block's first row
             later = torch.arange(start + 1, cols.stop, device=q.device) > torch.arange(start, rows.stop, device=q.device)[:, None]
             s[..., start + 1:cols.stop].masked_fill_(later, float("-inf"))
-        p = _safe_softmax(s)
+        p = _safe_softmax_(s)  # in place: s becomes P
         del s
         d_o = None if dv is None else p @ dv[..., cols, :]
         if left is not None:
@@ -165,23 +179,53 @@ def sdpa_rule(call, func, args, kwargs):
     return dual(primal, tangent)
 
 
-def _dropout_p(args, kwargs):
-    return dict(zip(_SDPA_ARGS, args), **kwargs).get("dropout_p", 0.0)
+#: A mask row whose largest finite entry lies below this masks its keys "by a large number"
+#: (-1e4, -1e9, ``finfo.min``: HF-style masks on the padded queries of a left-padded batch).
+FAR_NEGATIVE = -1024.0
 
 
-class DropoutOnMathBackend(TorchFunctionMode):
-    """Attention with dropout on PyTorch's math backend; everything else on the user's kernels.
+def _rows_masked_by_large_numbers(mask):
+    r"""Whether some row of an additive mask sees only keys masked by large finite numbers.
 
-    For the reverse passes that mixedad's forward-AD pass replays (``input_grad``'s forward):
-    the replay runs attention with dropout on the math backend, so the pass it replays must
-    draw the same masks there. Inner calls of ``F.multi_head_attention_forward`` are reached.
+    .. math::
+
+        \exists\, i:\quad -\infty < \max_j M_{ij} < \mathrm{FAR\_NEGATIVE}
+
+    PyTorch's fused kernels compute such a row's output right, but their backward recomputes
+    its probabilities as :math:`\exp(S_{ij} - \mathrm{lse}_i)` with :math:`\mathrm{lse}_i`
+    rounded at :math:`|\max_j M_{ij}|`: off by about :math:`|\max_j M_{ij}|\,\epsilon` relative,
+    and summing to the number of keys instead of 1 on an all ``finfo.min`` row. The math backend
+    (double backward's) is exact there. Rows that see no key at all (-inf) are right in both.
+    Bool masks and masks absent: False; so are masks without data to read (meta tensors, and
+    fake ones, whose storage is on meta), which keep the user's kernel.
+    """
+    if mask is None or not mask.is_floating_point() or mask.untyped_storage().device.type == "meta":
+        return False
+    top = mask.detach().amax(dim=-1)
+    return bool(((top < FAR_NEGATIVE) & (top > float("-inf"))).any())
+
+
+def _needs_math_backend(args, kwargs):
+    bound = dict(zip(_SDPA_ARGS, args), **kwargs)
+    return bound.get("dropout_p", 0.0) > 0 or _rows_masked_by_large_numbers(bound.get("attn_mask"))
+
+
+class MathBackendWhereFusedDiffers(TorchFunctionMode):
+    r"""Attention on PyTorch's math backend where the fused kernels' backward would differ; else the user's kernels.
+
+    For the reverse passes that mixedad's forward-AD pass replays (``input_grad``'s forward).
+    Two cases take the math backend: dropout (the replay runs attention with dropout on the
+    math backend, so the pass it replays must draw the same masks there), and additive masks
+    with rows masked only by large finite numbers, where the fused backward is inexact (see
+    :func:`_rows_masked_by_large_numbers`); such a call holds :math:`T \times T` scores.
+    Inner calls of ``F.multi_head_attention_forward`` are reached.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in COMPOSITES:
             return run_inside(self, func, args, kwargs)
-        if func is F.scaled_dot_product_attention and _dropout_p(args, kwargs) > 0:
+        if func is F.scaled_dot_product_attention and _needs_math_backend(args, kwargs):
             with _math_backend():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)

@@ -3,7 +3,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from mixedad import _checks
-from mixedad._attention import DropoutOnMathBackend
+from mixedad._attention import MathBackendWhereFusedDiffers
 from mixedad._function_hook import routing
 from mixedad._entry import public_call
 from mixedad._grad_mode import as_in_a_plain_call
@@ -106,9 +106,10 @@ class _Meta:
 def gradient_chunk(f, G, z_chunks, y_leaves, y_spec):
     """∂f(y, G(*z_chunks))/∂z_chunks by one reverse pass through G, with y treated as constant."""
     # The user's kernels (fused attention has a first-order backward), with attention dropout on
-    # the math backend, which the backward's replay uses; reentrant checkpoints run directly
-    # (they refuse .grad()).
-    with torch.enable_grad(), DropoutOnMathBackend(), routing(CheckpointsRunDirectly()):
+    # the math backend, which the backward's replay uses, and so masks whose rows see only keys
+    # masked by large finite numbers (the fused backward is inexact there); reentrant checkpoints
+    # run directly (they refuse .grad()).
+    with torch.enable_grad(), MathBackendWhereFusedDiffers(), routing(CheckpointsRunDirectly()):
         z_work = [zc.detach().requires_grad_() for zc in z_chunks]
         with as_in_a_plain_call():  # and grad mode back on after G, even if G leaves it off
             g_leaves, g_spec = tree_flatten(frozen(G)(*z_work))
