@@ -121,6 +121,9 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
     one tangent per pass instead, each with mixedad's per-op rules and fallbacks: exact, at one
     forward pass of G per entry of z.
 
+    A G that draws random numbers (dropout in train mode) is computed one tangent per pass too:
+    vmap need not draw them in the order a plain call does.
+
     Every batch replays the random state of the first, so dropout masks agree across rows and
     the RNG ends where one forward pass leaves it. BatchNorm in train mode cannot run under
     vmap (it updates buffers in place); that raises, asking for ``G.eval()``.
@@ -170,11 +173,17 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
         basis = basis.reshape(len(index), *z.shape)
         rng.restore()
         try:
-            rows.append(rows_of(basis))
+            batch = rows_of(basis)
+            if rows_of is batched and not rng.is_current():
+                # G draws random numbers: vmap(randomness="same") need not draw them in the order a
+                # plain call does (dropout on a non-contiguous tensor), so double backward's masks
+                # come only from one pass per tangent.
+                raise UnderTransformError(f"{call}: G draws random numbers")
         except UnderTransformError:
             if rows_of is one_by_one:
                 raise
             rows_of = one_by_one  # G does what torch.func cannot batch: one pass per tangent
             rng.restore()
-            rows.append(rows_of(basis))
+            batch = rows_of(basis)
+        rows.append(batch)
     return torch.cat(rows).reshape(*z.shape, *y.shape)

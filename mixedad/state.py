@@ -56,6 +56,14 @@ class RngState:
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
 
+    def is_current(self):
+        """Whether the global random state is still this one (nothing drew random numbers since)."""
+        if not torch.equal(torch.get_rng_state(), self.cpu):
+            return False
+        if self.cuda is None:
+            return not torch.cuda.is_initialized()  # CUDA started since: assume it drew
+        return all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), self.cuda))
+
 
 class Snapshot:
     """The random state and G's mutable buffers, to undo passes through G.

@@ -437,19 +437,7 @@ def verdict(check, c):
     return ("ok" if err <= RTOL[c.dtype] else "wrong"), err
 
 
-# torch.func.vmap(randomness="same") draws dropout masks in another order than a plain call on
-# non-contiguous inputs (dropout1 after batch_first attention), so mixed_jacobian's rows see other
-# masks than double backward's: with or without padding, and outside attention too.
-VMAP_DROPOUT_ORDER = pytest.mark.xfail(strict=True, reason="mixed_jacobian: vmap draws dropout masks of "
-                                       "non-contiguous tensors in another order (not about masked rows)")
-
-
-def marks(check, c):
-    return [VMAP_DROPOUT_ORDER] if check == "mixed_jacobian" and c.name.startswith(("encoder", "decoder")) \
-        and c.random else []
-
-
-PARAMS = [pytest.param(check, name, id=f"{name}-{check}", marks=marks(check, c)) for name, c in CASES.items()
+PARAMS = [pytest.param(check, name, id=f"{name}-{check}") for name, c in CASES.items()
           for check in CHECKS if applies(check, c)]
 
 
