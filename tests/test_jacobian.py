@@ -73,3 +73,24 @@ def test_mixed_jacobian_bad_input():
         mixedad.mixed_jacobian(cubic, G, z, {"y": y})
     with pytest.raises(ValueError, match=r"mixed_jacobian\(f, G, z, y\): expected chunk_size .* got -1"):
         mixedad.mixed_jacobian(cubic, G, z, y, chunk_size=-1)
+
+
+def test_mixed_jacobian_with_dropout_on_a_non_contiguous_tensor():
+    """vmap need not draw dropout masks in a plain call's order: a random G takes one pass per row."""
+    lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+
+    def G(z):
+        return torch.nn.functional.dropout(lin(z.transpose(0, 1)).transpose(0, 1), 0.25) ** 2
+
+    f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
+    gen = torch.Generator().manual_seed(0)
+    z, y = (torch.randn(3, 4, dtype=torch.float64, generator=gen) for _ in range(2))
+    torch.manual_seed(1)
+    ours = mixedad.mixed_jacobian(f, G, z, y, chunk_size=5)
+    after = torch.get_rng_state()
+    torch.manual_seed(1)
+    expected = double_backward_mixed_jacobian(f, G, z, y)
+    assert_close(ours, expected, rtol=1e-10)
+    torch.manual_seed(1)
+    G(z)
+    assert torch.equal(after, torch.get_rng_state())  # as one plain forward leaves it
