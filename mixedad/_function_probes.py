@@ -20,7 +20,8 @@ The probes run the Function once more on copies of its inputs (its in-place writ
 copies), with the random state restored afterwards, and draw their random vectors from a private
 generator: the user's RNG is untouched. They cost one forward, three backwards and, for a
 Function with ``jvp``, one jvp of that op, once per class. A probe cannot prove linearity: a
-clipping threshold far beyond both scales passes it.
+clipping threshold far beyond both scales passes it. On meta and fake tensors, which hold no
+values, nothing is probed (the class is probed on the first call with real tensors).
 """
 import threading
 import weakref
@@ -76,6 +77,8 @@ def verdict(cls, apply, args, kwargs, *, with_jvp):
         with_jvp: also run the dot-product test (the class has its own jvp and mixedad's
             forward-AD level is open).
     """
+    if not _has_data((args, kwargs)):
+        return _UNPROBED  # meta or fake tensors: nothing to probe with, and nothing remembered
     with _lock:
         found = _verdicts.get(cls)
     if found is None or (with_jvp and not found.jvp_tested):
@@ -83,6 +86,14 @@ def verdict(cls, apply, args, kwargs, *, with_jvp):
         with _lock:
             _verdicts[cls] = found
     return found
+
+
+def _has_data(tree):
+    """Whether the tensors in ``tree`` hold values (not meta tensors, not fake tensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t))
+                   for t in tree_flatten(tree)[0])
 
 
 def _carries_derivative(leaf):

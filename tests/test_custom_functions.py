@@ -277,3 +277,17 @@ def test_probe_verdicts_are_cached_per_class():
         first = _function_probes.verdict(cls, apply, (x,), {}, with_jvp=False)
         again = _function_probes.verdict(cls, lambda *a: 1 / 0, (x,), {}, with_jvp=False)  # not run again
     assert first is again and not first.linear
+
+
+def test_a_run_on_meta_tensors_does_not_decide_for_real_ones():
+    """Meta tensors hold no values: the probe waits for the first call with real tensors."""
+    cls = _fn(lambda x: x.sin(), lambda ctx, g: g.clamp(-0.5, 0.5) * ctx.saved_tensors[0].cos(), name="ClipGradMeta")
+    G = around(cls)
+    z, y, v = _problem(15)
+    meta = [t.to("meta") for t in (z, y, v)]
+    W_meta = W.to("meta")
+    G_meta = lambda x: torch.tanh(cls.apply(torch.tanh(x @ W_meta)) @ W_meta)  # noqa: E731
+    assert mixedad.mixed_grad(f, G_meta, *meta).device.type == "meta"
+    with pytest.warns(RuntimeWarning, match="ClipGradMeta .custom Function. has a backward that is not linear"):
+        ours = mixedad.mixed_grad(f, G, z, y, v)
+    assert_close(ours, double_backward(f, G, z, y, v), rtol=1e-10)
