@@ -7,7 +7,7 @@ from mixedad._entry import public_call
 from mixedad._trees import tree_unflatten
 from mixedad.op_rules import UnderTransformError
 from mixedad.contract import contract_f_with_tangent, f_cotangent
-from mixedad.state import RngState
+from mixedad.state import Snapshot
 from mixedad.tangents import eager, push_tangent
 
 
@@ -124,9 +124,10 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
     A G that draws random numbers (dropout in train mode) is computed one tangent per pass too:
     vmap need not draw them in the order a plain call does.
 
-    Every batch replays the random state of the first, so dropout masks agree across rows and
-    the RNG ends where one forward pass leaves it. BatchNorm in train mode cannot run under
-    vmap (it updates buffers in place); that raises, asking for ``G.eval()``.
+    Every batch replays the random state and the buffers the first saw, so dropout masks and
+    spectral norm's vectors agree across rows, and the RNG and buffers end where one forward pass
+    leaves them. A G that updates buffers in place (BatchNorm in train mode, counters) cannot run
+    under vmap: it takes one pass per tangent, each from that same state.
 
     Args:
         f, G: as for :func:`mixed_grad`.
@@ -155,13 +156,14 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
     step = _checks.check_chunk_size(call, chunk_size) or n
     batched = vmap(lambda v: _mixed_grad(call, f, G, z, y, v, False, strategy), randomness="same")
 
-    rng = RngState()
+    state = Snapshot(G)  # every batch (or row) starts from the state the first one saw
 
     def one_by_one(basis):  # each tangent in its own pass, with mixedad's per-op rules
         rows = []
         for v in basis:
-            rng.restore()
-            rows.append(_mixed_grad(call, f, G, z, y, v, False, strategy))
+            state.restore()
+            with state.watching():
+                rows.append(_mixed_grad(call, f, G, z, y, v, False, strategy))
         return torch.stack(rows)
 
     rows_of = batched
@@ -171,10 +173,11 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
         basis = torch.zeros(len(index), n, dtype=z.dtype, device=z.device)
         basis[torch.arange(len(index), device=z.device), index] = 1.0
         basis = basis.reshape(len(index), *z.shape)
-        rng.restore()
+        state.restore()
         try:
-            batch = rows_of(basis)
-            if rows_of is batched and not rng.is_current():
+            with state.watching():
+                batch = rows_of(basis)
+            if rows_of is batched and not state.rng.is_current():
                 # G draws random numbers: vmap(randomness="same") need not draw them in the order a
                 # plain call does (dropout on a non-contiguous tensor), so double backward's masks
                 # come only from one pass per tangent.
@@ -183,7 +186,6 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
             if rows_of is one_by_one:
                 raise
             rows_of = one_by_one  # G does what torch.func cannot batch: one pass per tangent
-            rng.restore()
             batch = rows_of(basis)
         rows.append(batch)
     return torch.cat(rows).reshape(*z.shape, *y.shape)

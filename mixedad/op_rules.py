@@ -125,6 +125,9 @@ GRADIENT_HOOKS = (torch.Tensor.register_hook,)
 #: ``t.requires_grad`` as G reads it: True for a tensor that carries a tangent, as in reverse mode
 #: (G may branch on it: ``if h.requires_grad: h.register_hook(...)``).
 REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
+#: Reverse-mode graph attributes as G reads them: forward mode has no graph, so a G that branches
+#: on them takes the whole-G fallback, where they are what double backward sees.
+GRAPH_ATTRIBUTES = {torch.Tensor.is_leaf.__get__: "Tensor.is_leaf", torch.Tensor.grad_fn.__get__: "Tensor.grad_fn"}
 _WARNED_JVP = weakref.WeakSet()
 
 
@@ -313,6 +316,9 @@ class OpRules(TorchFunctionMode):
             raise NeedsWholeG(REVERSE_MODE_INSIDE[func], at_cotangent=func in GRADIENT_HOOKS)
         if func == REQUIRES_GRAD and any_tangent(args):
             return True  # as in reverse mode, where what depends on z requires grad
+        if func in GRAPH_ATTRIBUTES and any_tangent(args):
+            raise NeedsWholeG(f"G reads {GRAPH_ATTRIBUTES[func]} of a tensor that depends on z, which only a "
+                              f"reverse pass has")
         with no_graph():  # tangents only: no reverse graph through G's parameters
             return self._dispatch(func, args, kwargs)
 

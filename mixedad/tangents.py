@@ -157,9 +157,17 @@ def _check_outputs(call, g_leaves, out=None):
     if not g_leaves:
         raise ValueError(f"{call}: expected G(z) to return a tensor or a pytree holding at least one tensor, "
                          f"got {describe(out)}.")
+    complex_leaves = [i for i, leaf in enumerate(g_leaves) if isinstance(leaf, torch.Tensor) and leaf.is_complex()]
+    if complex_leaves:
+        where = "G(z)" if len(g_leaves) == 1 else f"G(z)'s leaf {complex_leaves[0]}"
+        raise TypeError(f"{call}: {where} is complex ({describe(g_leaves[complex_leaves[0]])}); mixedad takes "
+                        f"real outputs. Return torch.view_as_real(x) instead (f then sees the real and "
+                        f"imaginary parts as a last dimension of size 2).")
     if not any(differentiable(leaf) for leaf in g_leaves):
         what = describe(out) if len(g_leaves) > 1 else describe(g_leaves[0])
-        raise TypeError(f"{call}: expected G(z) to be a floating-point tensor or to hold one, got {what}.")
+        raise TypeError(f"{call}: expected G(z) to be a floating-point tensor or a tuple, list or dict holding one, "
+                        f"got {what}. Return the tensors in a tuple or dict (or register your container "
+                        f"with torch.utils._pytree.register_pytree_node).")
 
 
 def _tensors_only(call, G, refusal):
@@ -217,11 +225,8 @@ def _forward(call, G, zs, vs, rules):
                 raise refusal(_THREADS)
         except RuntimeError as error:
             if "mutate a captured Tensor" in str(error):
-                raise RuntimeError(
-                    f"{call}: G updates a buffer in place (BatchNorm in train mode updates its running "
-                    f"statistics), which torch.func transforms such as vmap cannot do. Call G.eval(), "
-                    f"or loop over mixed_grad instead of vmapping it."
-                ) from error
+                raise refusal("G updates a buffer in place (BatchNorm's running statistics in train mode, a "
+                              "counter)") from error
             raise
         return list(g), list(g_dot), spec[0]
     with contextlib.ExitStack() as stack:

@@ -150,12 +150,28 @@ def test_transformer_fast_path_flag_restored():
     assert torch.backends.mha.get_fastpath_enabled() == before
 
 
-def test_vmap_over_train_mode_batchnorm_explains_itself():
+def test_train_mode_batchnorm_under_mixed_jacobian_and_vmap():
+    """vmap cannot update buffers: mixed_jacobian takes one pass per tangent, a user's vmap is told why."""
+    from mixedad.reference import double_backward_mixed_jacobian
+
     G = zoo.MEMBERS["dcgan"](dtype=F64).train()
-    z = torch.randn(zoo.latent_shape(G, 3), dtype=F64)
-    y = torch.randn(3, 3, 8, 8, dtype=F64)
-    with pytest.raises(RuntimeError, match=r"mixed_jacobian\(f, G, z, y\): G updates a buffer in place .* G.eval\(\)"):
-        mixedad.mixed_jacobian(f, G, z[:1], y[:1])
+    z = torch.randn(zoo.latent_shape(G, 1), dtype=F64)
+    y = torch.randn(1, 3, 8, 8, dtype=F64)
+    stats = [b.clone() for b in G.buffers()]
+    jac = mixedad.mixed_jacobian(f, G, z, y, chunk_size=7)
+    after = [b.clone() for b in G.buffers()]
+    for b, s in zip(G.buffers(), stats):
+        b.copy_(s)
+    assert_close(jac, double_backward_mixed_jacobian(f, G, z, y), rtol=1e-10)
+    for b, s in zip(G.buffers(), stats):
+        b.copy_(s)
+    with torch.no_grad():
+        G(z)  # one plain train-mode forward
+    assert all(torch.equal(a, b) for a, b in zip(after, G.buffers()))
+    vs = torch.randn(2, *z.shape, dtype=F64)
+    with pytest.raises(RuntimeError, match=r"mixed_grad\(f, G, z, y\): G updates a buffer in place .*Call "
+                                           r"mixed_grad once per tangent"):
+        torch.func.vmap(lambda v: mixedad.mixed_grad(f, G, z, y, v))(vs)
 
 
 def test_mixed_jacobian_with_dropout_uses_one_mask_for_all_rows():
