@@ -73,6 +73,18 @@ def _uninstall():
 
 
 @contextlib.contextmanager
+def direct():
+    """``Function.apply`` as torch defines it in this thread for the block (the local rule's own
+    reverse passes, the probes): no handler sees the Functions they run."""
+    previous = getattr(_local, "handler", None)
+    _local.handler = None
+    try:
+        yield
+    finally:
+        _local.handler = previous
+
+
+@contextlib.contextmanager
 def routing(handler):
     """Send this thread's ``Function.apply`` calls to ``handler.custom_function(cls, args, kwargs)``."""
     global _users

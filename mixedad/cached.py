@@ -66,7 +66,7 @@ def cached_backward(f, inputs, g, *, chunk_size=1):
     outputs = []
     with torch.no_grad():
         for chunk in chunks:
-            state = Snapshot(f, modules=states[0].modules if states else ())
+            state = Snapshot(f, modules=states[0].modules if states else (), call=CALL)
             states.append(state)
             with state.watching():
                 outputs += [_output(f, x) for x in chunk]
@@ -80,7 +80,7 @@ def cached_backward(f, inputs, g, *, chunk_size=1):
         L.backward()
     dL_dZ = torch.zeros_like(Z) if Z.grad is None else Z.grad
     del Z
-    after_first_pass = Snapshot(f, modules=states[0].modules)  # after g too: g may draw random numbers
+    after_first_pass = Snapshot(f, modules=states[0].modules, call=CALL)  # after g too: g may draw random numbers
     try:
         with after_first_pass.watching(), torch.enable_grad():
             start = 0

@@ -171,7 +171,7 @@ class _InputGrad(torch.autograd.Function):
         outs = [torch.empty_like(zi) for zi in zs] if len(meta.chunks) > 1 else None
         seen = []  # the first two chunks' outputs and values, to check that f sums over codes
         for c in meta.chunks:
-            state = Snapshot(meta.G, modules=meta.states[0].modules if meta.states else ())
+            state = Snapshot(meta.G, modules=meta.states[0].modules if meta.states else (), call=CALL)
             meta.states.append(state)
             with state.watching():
                 pieces, evaluated = gradient_chunk(meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec)
@@ -201,7 +201,7 @@ class _InputGrad(torch.autograd.Function):
         grad_outs = [torch.zeros_like(zi) if g is None else g for g, zi in zip(grad_outs, zs)]
         totals = None
         # The replays below must leave no trace: RNG and buffers end as the forward left them.
-        undo = Snapshot(meta.G, modules=meta.states[0].modules)
+        undo = Snapshot(meta.G, modules=meta.states[0].modules, call=CALL)
         try:
             with undo.watching():
                 for c, state in zip(meta.chunks, meta.states):

@@ -156,7 +156,7 @@ def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
     step = _checks.check_chunk_size(call, chunk_size) or n
     batched = vmap(lambda v: _mixed_grad(call, f, G, z, y, v, False, strategy), randomness="same")
 
-    state = Snapshot(G)  # every batch (or row) starts from the state the first one saw
+    state = Snapshot(G, call=call)  # every batch (or row) starts from the state the first one saw
 
     def one_by_one(basis):  # each tangent in its own pass, with mixedad's per-op rules
         rows = []

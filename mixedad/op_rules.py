@@ -62,7 +62,7 @@ from mixedad._double_vjp import OpRuleError
 from mixedad._duals import any_tangent
 from mixedad._formulas import cdist_rule, group_norm_rule
 from mixedad._frozen_layers import WEIGHTED, batch_norm_eval_rule, weighted_rule
-from mixedad._function_hook import original_apply
+from mixedad._function_hook import direct, original_apply
 from mixedad._local_rule import NeedsWholeG, local_jvp
 from mixedad._rnn import FUSED_RNNS, rnn_split_rule
 from mixedad import _function_probes as probes
@@ -131,6 +131,22 @@ GRAPH_ATTRIBUTES = {torch.Tensor.is_leaf.__get__: "Tensor.is_leaf", torch.Tensor
 _WARNED_JVP = weakref.WeakSet()
 
 
+#: Ops of other namespaces than aten (``torch.library.custom_op``, torchvision's C++ ops): PyTorch
+#: has no forward-AD rule for them and may drop their tangent silently, so they take the local rule,
+#: which differentiates the backward they registered.
+LIBRARY_OP_RULE = Rule(LOCAL, lambda *a: _local(*a), "library op: no forward-AD rule")
+
+
+def _library_op(func):
+    if isinstance(func, torch._ops.OpOverload):
+        namespace = func.namespace
+    elif isinstance(func, torch._ops.OpOverloadPacket):  # its .namespace would look for an overload
+        namespace = func._qualified_op_name.split("::")[0]
+    else:
+        return False
+    return namespace not in ("aten", "prim", "prims")
+
+
 def _warn_jvp_disagrees(call, cls, numbers):
     lhs, rhs = numbers
     warnings.warn(
@@ -160,7 +176,8 @@ def op_name(func):
 
 
 def _local(call, func, args, kwargs):
-    return local_jvp(call, op_name(func), func, args, kwargs)
+    with direct():  # the op's own reverse passes see the Functions it runs as torch defines them
+        return local_jvp(call, op_name(func), func, args, kwargs)
 
 
 def _torch_funcs(name):
@@ -323,7 +340,7 @@ class OpRules(TorchFunctionMode):
             return self._dispatch(func, args, kwargs)
 
     def _dispatch(self, func, args, kwargs):
-        rule = self.table.get(func)
+        rule = self.table.get(func) or (LIBRARY_OP_RULE if self.local and _library_op(func) else None)
         if rule is not None:
             result = self._apply(rule, func, args, kwargs)
             if result is not NotImplemented:
@@ -393,7 +410,7 @@ class OpRules(TorchFunctionMode):
             with no_graph():
                 return apply(*args, **kwargs)
         own_jvp = _has_own_jvp(cls)
-        with self._popped():  # the probes run the op plainly, as __torch_function__ runs ops
+        with self._popped(), direct():  # the probes run the op plainly, as __torch_function__ runs ops
             found = probes.verdict(cls, apply, args, kwargs, with_jvp=own_jvp)
         if not found.linear:
             raise NeedsWholeG(f"{name} has a backward that is not linear in its incoming gradient (gradient "
@@ -403,7 +420,7 @@ class OpRules(TorchFunctionMode):
             _WARNED_JVP.add(cls)
             _warn_jvp_disagrees(self.call, cls, found.numbers)
         if self.local and (not own_jvp or not found.jvp_agrees):
-            with self._popped(), no_graph():  # the op runs plainly, as it does inside __torch_function__
+            with self._popped(), no_graph(), direct():  # the op runs plainly, as inside __torch_function__
                 result = local_jvp(self.call, name, apply, args, kwargs, custom=True)
             if self.recorder is not None:
                 self.recorder.add(name, LOCAL, "custom Function without jvp" if not own_jvp

@@ -103,7 +103,7 @@ def tangent_report(G, z, v=None, *, strategy="auto"):
     _checks.check_strategy(call, strategy)
     G = eager(G)
     recorder = PathRecorder()
-    undo = Snapshot(G)
+    undo = Snapshot(G, call=call)
     try:
         with undo.watching():
             push_tangent(call, G, zs, vs, strategy=strategy, recorder=recorder)

@@ -26,6 +26,9 @@ What a snapshot keeps, per buffer (keyed by module and attribute name):
   silently changed.
 - **Reassigned buffers** (``self.n = self.n + 1`` replaces the buffer object): restoring puts
   the original object back under its name, then restores its values as above.
+- **Plain attributes** of G's modules (a Python ``int`` step count, a flag, a tensor cached in
+  ``self.cache``): kept by reference, so a reassignment is undone and an attribute that an undone
+  pass created is removed. A plain tensor attribute written in place is not undone.
 
 When G is an ``nn.Module`` its modules are known up front; when
 it is any other callable (a lambda or function around modules), the modules are recorded as
@@ -74,9 +77,11 @@ class Snapshot:
     modules recorded so far.
     """
 
-    def __init__(self, G, *, modules=()):
+    def __init__(self, G, *, modules=(), call="mixedad"):
+        self.call = call  # the public call, for the message of a buffer that cannot be restored
         self.rng = RngState()
         self.saved, self.watched, self._seen, self.modules = [], [], set(), []
+        self.attributes = []  # (module, {name: value}) of plain attributes
         self._upfront = isinstance(G, nn.Module)
         for module in (G.modules() if self._upfront else modules):
             self._record(module)
@@ -86,6 +91,7 @@ class Snapshot:
             return
         self._seen.add(id(module))
         self.modules.append(module)
+        self.attributes.append((module, _plain_attributes(module)))
         for name, buf in module.named_buffers(recurse=False):
             if buf is None:
                 continue
@@ -116,6 +122,11 @@ class Snapshot:
                 was changed in place; everything else is restored first.
         """
         self.rng.restore()
+        for module, attributes in self.attributes:
+            now = _plain_attributes(module)
+            for name in now.keys() - attributes.keys():
+                del module.__dict__[name]  # made by a pass that is undone (a cache, a step count)
+            module.__dict__.update((name, value) for name, value in attributes.items() if now.get(name) is not value)
         with torch.no_grad():
             for entry in self.saved:
                 entry.put_back()
@@ -128,7 +139,7 @@ class Snapshot:
         for entry in self.watched:
             if entry.changed():
                 raise RuntimeError(
-                    f"mixedad: G changed the buffer {entry.label} of a module in eval mode in place during a "
+                    f"{self.call}: G changed the buffer {entry.label} of a module in eval mode in place during a "
                     f"pass that had to be undone, and mixedad could not restore it: snapshots copy "
                     f"eval-mode buffers of at most {SMALL_BUFFER_BYTES} bytes, and this one holds "
                     f"{entry.nbytes}. Put that module in train mode (its buffers are then copied), "
@@ -158,6 +169,17 @@ class _Buffer:
     def changed(self):
         """Whether the recorded tensor was written in place since it was recorded (or last restored)."""
         return _version(self.tensor) != self.version
+
+
+#: Plain module attributes a forward may set (step counts, flags, cached tensors): snapshots keep
+#: them by reference, so reassigning one (``self.step += 1``, ``self.cache = h``) is undone.
+_PLAIN = (bool, int, float, str, type(None), torch.Tensor)
+
+
+def _plain_attributes(module):
+    """A module's public attributes of plain types (parameters, buffers and submodules live elsewhere)."""
+    return {name: value for name, value in vars(module).items()
+            if not name.startswith("_") and isinstance(value, _PLAIN)}
 
 
 def _version(tensor):

@@ -375,7 +375,7 @@ def _push_forward(call, G, zs, vs, strategy, recorder, cotangent):
         # tensors nor torch.func.jvp can open another.
         return whole_g("called inside an open forward_ad.dual_level(), and PyTorch cannot nest "
                        "forward-mode AD")
-    snapshot = Snapshot(G)
+    snapshot = Snapshot(G, call=call)
     if _backward_hooks(snapshot.modules):
         return whole_g(_HOOKED, at_cotangent=True)
     rules = OpRules(call, recorder)

@@ -152,7 +152,7 @@ def check_generator(G, z, *, strategy="forward", rtol=None, seed=0):
     G = eager(G)
     gen = torch.Generator().manual_seed(seed)
     vs = [torch.randn(zi.shape, generator=gen, dtype=zi.dtype).to(zi.device) for zi in zs]
-    snapshot = Snapshot(G)
+    snapshot = Snapshot(G, call=call)
     try:
         g_leaves, tangents, _ = push_tangent(call, G, zs, vs, strategy=strategy)
         snapshot.restore()
@@ -247,10 +247,18 @@ def spot_check(f, G, z, y, v=None, *, codes=2, strategy="auto", rtol=None, strea
     G = eager(G)
     if rtol is None:
         rtol = RTOL.get(z.dtype, 1e-4)
-    undo = Snapshot(G)
+    undo = Snapshot(G, call=call)
     try:
         with undo.watching():
-            ours = mixed_grad(f, G, z_s, y_s, v_s, strategy=strategy)
+            try:
+                ours = mixed_grad(f, G, z_s, y_s, v_s, strategy=strategy)
+            except (IndexError, RuntimeError) as error:
+                raise ValueError(
+                    f"{call}: mixed_grad on z[:{codes}] (and y's and v's leaves cut the same way where dim 0 "
+                    f"has z's size {n}) failed: {error}. spot_check takes dim 0 of z to index latent "
+                    f"codes; where it does not (a sequence-first RNN input, say), pass z and y of a few "
+                    f"codes yourself with codes equal to z's dim 0."
+                ) from error
         undo.restore()  # the probes and double backward see the state mixed_grad saw
         sizes = _term_sizes(f, G, z_s, y_s, v_s, strategy, undo)
         expected = double_backward_mixed_grad(f, G, z_s, y_s, v_s)
