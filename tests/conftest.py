@@ -10,3 +10,13 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings():
+    """mixedad warns once per reason and G; each test starts from a clean slate, whatever ran before."""
+    from mixedad import tangents
+
+    tangents._warned.clear()
+    yield
+    tangents._warned.clear()

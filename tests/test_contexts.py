@@ -112,6 +112,146 @@ def test_threads_calling_at_once_get_forward_mode_and_the_right_numbers():
         assert_close(r, expected)
 
 
+def _waits_while_another_thread_starts_one(G_inner):
+    """A G that waits, inside the pass, until a thread that is not G's has started a thread."""
+    import threading
+
+    inside, started = threading.Event(), threading.Event()
+
+    def G(z):
+        inside.set()
+        assert started.wait(10)
+        return G_inner(z)
+
+    def outsider():
+        assert inside.wait(10)
+        worker = threading.Thread(target=lambda: None)
+        worker.start()
+        worker.join()
+        started.set()
+
+    return G, threading.Thread(target=outsider)
+
+
+def test_a_thread_started_by_another_thread_during_the_pass_is_not_gs():
+    """The watch is on the pass's own thread: a thread another thread starts meanwhile is not G's."""
+    G_inner, z, y, v = problem()
+    G, other = _waits_while_another_thread_starts_one(G_inner)
+    other.start()
+    try:
+        result = mixedad.mixed_grad(cubic, G, z, y, v, strategy="forward")
+    finally:
+        other.join()
+    assert_close(result, double_backward_mixed_grad(cubic, G_inner, z, y, v))
+
+
+def _starts_its_own_thread(G_inner):
+    import concurrent.futures
+
+    def G(z):
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(G_inner, z).result()
+
+    return G
+
+
+def test_a_thread_g_starts_is_seen_and_a_profile_function_is_left_alone():
+    import sys
+
+    G_inner, z, y, v = problem()
+    G = _starts_its_own_thread(G_inner)
+    calls = []
+
+    def user_profile(frame, event, arg):
+        calls.append(event)
+
+    sys.setprofile(user_profile)
+    try:
+        with pytest.raises(RuntimeError, match="starts threads"):
+            mixedad.mixed_grad(cubic, G, z, y, v, strategy="forward")
+        assert sys.getprofile() is user_profile
+    finally:
+        sys.setprofile(None)
+    assert "c_call" in calls  # the user's profile function kept receiving events during the pass
+    with pytest.warns(RuntimeWarning, match="starts threads"):
+        result = mixedad.mixed_grad(cubic, G, z, y, v)
+    assert_close(result, double_backward_mixed_grad(cubic, G_inner, z, y, v))
+
+
+def test_two_watches_at_once_each_see_only_their_own_threads_and_the_last_one_out_restores():
+    """mixedad's forward passes take turns today, but the watch must not rely on it."""
+    import threading
+
+    from mixedad._threads import _STARTERS, watching_threads
+
+    original = {name: getattr(threading, name) for name in _STARTERS}
+    a_inside, b_done = threading.Event(), threading.Event()
+    seen = {}
+
+    def start_one():
+        worker = threading.Thread(target=lambda: None)
+        worker.start()
+        worker.join()
+
+    def a():
+        with watching_threads() as started:
+            a_inside.set()
+            assert b_done.wait(10)
+            start_one()  # after b's watch has ended
+        seen["a"] = len(started)
+
+    def b():
+        assert a_inside.wait(10)
+        with watching_threads() as started:
+            pass
+        seen["b"] = len(started)
+        b_done.set()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    with watching_threads() as main_started:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert seen == {"a": 1, "b": 0}
+    assert len(main_started) == 2  # the two threads this thread started
+    assert {name: getattr(threading, name) for name in _STARTERS} == original
+
+
+def test_threading_is_left_as_found_after_a_pass_even_one_that_raises():
+    import threading
+
+    before = {name: getattr(threading, name) for name in ("_start_new_thread", "_start_joinable_thread")
+              if hasattr(threading, name)}
+    G_inner, z, y, v = problem()
+
+    def G(z):
+        raise ValueError("G fails")
+
+    with pytest.raises(ValueError, match="G fails"):
+        mixedad.mixed_grad(cubic, G, z, y, v)
+    mixedad.mixed_grad(cubic, G_inner, z, y, v)
+    assert {name: getattr(threading, name) for name in before} == before
+
+
+def test_under_cprofile_a_thread_g_starts_is_seen_and_the_profiler_keeps_running():
+    import cProfile
+    import sys
+
+    G_inner, z, y, v = problem()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        with pytest.raises(RuntimeError, match="starts threads"):
+            mixedad.mixed_grad(cubic, _starts_its_own_thread(G_inner), z, y, v, strategy="forward")
+        still_profiling = sys.getprofile() is profiler
+        plain = mixedad.mixed_grad(cubic, G_inner, z, y, v, strategy="forward")
+    finally:
+        profiler.disable()
+    assert still_profiling
+    assert_close(plain, double_backward_mixed_grad(cubic, G_inner, z, y, v))
+
+
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_one_tensor_twice_in_y_gives_per_position_partials(requires_grad):
     """The same answer whether the repeated leaf requires grad or not: as with two distinct copies."""

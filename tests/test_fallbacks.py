@@ -5,21 +5,13 @@ from torch import nn
 from torch.autograd import forward_ad
 
 import mixedad
-from mixedad import tangents, zoo
+from mixedad import zoo
 from mixedad.reference import double_backward_input_grad, double_backward_mixed_grad
 from mixedad.testing import assert_close
 
 from tests.op_rule_generators import SinWithoutJvp
 
 F64 = torch.float64
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings():
-    """mixedad warns once per op and process; each test starts from a clean slate."""
-    tangents._warned.clear()
-    yield
-    tangents._warned.clear()
 
 
 class Apply(nn.Module):
