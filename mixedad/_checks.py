@@ -9,9 +9,9 @@ import operator
 
 import torch
 
-from mixedad._nesting import check_not_nested
-from mixedad._transforms import in_functorch_transform
-from mixedad._trees import describe, keystr, tree_flatten, tree_flatten_with_path
+from mixedad._frontend.nesting import check_not_nested
+from mixedad._hooks.functorch import in_functorch_transform
+from mixedad._hooks.pytree import describe, keystr, tree_flatten, tree_flatten_with_path
 
 
 def check_callable(call, name, obj):
@@ -130,7 +130,7 @@ def flatten_v(call, z, zs, v):
 
 
 def check_strategy(call, strategy):
-    from mixedad.tangents import STRATEGIES
+    from mixedad._frontend.tangents import STRATEGIES
 
     if strategy not in STRATEGIES:
         raise ValueError(f"{call}: expected strategy in {STRATEGIES}, got {strategy!r}.")
@@ -234,7 +234,7 @@ def check_no_foreign_leaves(call, out, allowed):
 
 def leaf_names(prefix, spec):
     """Python names of a pytree's leaves: ``y``, ``y[1]``, ``y['k']`` (for messages)."""
-    from mixedad._trees import tree_unflatten
+    from mixedad._hooks.pytree import tree_unflatten
 
     indexed = tree_unflatten(list(range(spec.num_leaves)), spec)
     return [prefix + keystr(path) for path, _ in tree_flatten_with_path(indexed)[0]]

@@ -11,21 +11,28 @@
   ordinary tensors.
 """
 import functools
+import warnings
 
 import torch
+from torch import nn
+from torch.func import functional_call
 
-from mixedad._trees import tree_leaves, tree_map
+from mixedad._hooks.compiled import compiling, original_of
+from mixedad._hooks.pytree import tree_leaves, tree_map
 
 _eager = {}
+_warned = set()
+
+
+def warn_once(key, message):
+    """Warn with ``message`` the first time ``key`` is seen in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def _is_inference(t):
     return isinstance(t, torch.Tensor) and t.is_inference()
-
-
-def _compiling():
-    compiler = getattr(torch, "compiler", None)
-    return compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling()
 
 
 def public_call(fn):
@@ -33,7 +40,7 @@ def public_call(fn):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if _compiling():
+        if compiling():
             eager = _eager.get(fn)
             if eager is None:
                 eager = _eager[fn] = torch.compiler.disable(fn, recursive=True)
@@ -43,5 +50,38 @@ def public_call(fn):
         with torch.inference_mode(False):
             args, kwargs = tree_map(lambda t: t.clone() if _is_inference(t) else t, (args, kwargs))
             return fn(*args, **kwargs)
+
+    return call
+
+
+def eager(G):
+    """G itself, or the original eager module/function behind a ``torch.compile`` wrapper."""
+    orig = original_of(G)
+    if orig is None:
+        return G
+    warn_once(("compiled", id(orig)),
+               "mixedad: G is compiled with torch.compile; mixedad runs its original eager module or "
+               "function instead, because compiled graphs do not carry forward-mode tangents reliably.")
+    return orig
+
+
+def frozen(G):
+    """G as a callable whose parameters are constants for autograd.
+
+    For an ``nn.Module``, the call goes through ``torch.func.functional_call`` with detached
+    parameters: autograd then neither records G's parameters nor keeps the activations their
+    gradients would need, and the module's requires_grad flags are never touched. Other
+    callables, and ``torch.jit.script``'ed modules, are returned as they are.
+    """
+    if not isinstance(G, nn.Module):
+        return G
+    if isinstance(G, torch.jit.ScriptModule):
+        # functional_call cannot enter a scripted module: it runs as it is. torch.autograd.grad
+        # still writes no .grad; only the graph through its parameters is kept as well.
+        return G
+
+    def call(*args):
+        params = {name: p.detach() for name, p in G.named_parameters()}
+        return functional_call(G, params, args)
 
     return call

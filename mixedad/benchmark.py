@@ -10,7 +10,7 @@ For each model and depth, every strategy runs on the same inputs in the same pro
 - ``plain_forward``: ``G(z)`` under ``torch.no_grad()``, the yardstick;
 - ``mixed_grad_no_onednn`` (not in the default set): mixed_grad under
   ``torch.backends.mkldnn.flags(enabled=False)``. On the MLP this isolates mixedad's oneDNN
-  tangent kernel for float32 ``Linear`` layers (see :mod:`mixedad._frozen_layers`): every matrix
+  tangent kernel for float32 ``Linear`` layers (see :mod:`mixedad.op_rules._frozen_layers`): every matrix
   product then runs on the same BLAS as the other strategies. On convolutional models it also
   moves PyTorch's own convolutions off oneDNN, so it is meaningless there;
 - ``mixed_grad_no_local_rule`` (not in the default set): mixed_grad without the local double-VJP

@@ -2,7 +2,7 @@
 import torch
 
 from mixedad._checks import check_callable, check_chunk_size
-from mixedad.state import Snapshot
+from mixedad._frontend.state import Snapshot
 
 __all__ = ["cached_backward"]
 
@@ -31,7 +31,7 @@ def cached_backward(f, inputs, g, *, chunk_size=1):
     BatchNorm in train mode normalises with the same batch statistics, and spectral norm's
     ``u``/``v`` and EMA buffers hold the values pass 1 used. Afterwards the running statistics, ``num_batches_tracked``
     and the RNG are as pass 1, that is the naive code, left them: pass 2's updates are undone
-    (see :mod:`mixedad.state`; f may be any callable, its modules are found as they run).
+    (see :mod:`mixedad._frontend.state`; f may be any callable, its modules are found as they run).
 
     Args:
         f: callable mapping one input to a tensor; the outputs must stack.

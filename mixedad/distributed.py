@@ -24,7 +24,7 @@ the gather can be skipped: ``t = g(dfdz_local, x_share)`` on each rank, then the
 import torch
 import torch.distributed as dist
 
-from mixedad._trees import tree_leaves
+from mixedad._hooks.pytree import tree_leaves
 
 __all__ = ["shard", "all_gather_codes", "all_reduce_grads"]
 

@@ -3,15 +3,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from mixedad import _checks
-from mixedad._attention import MathBackendWhereFusedDiffers
-from mixedad._function_hook import routing
+from mixedad._backend import check_sum_over_codes, contract_f_with_tangent, f_cotangent, gradient_chunk
 from mixedad._entry import public_call
-from mixedad._grad_mode import as_in_a_plain_call
-from mixedad._trees import differentiable, graph_inputs, tree_flatten, tree_unflatten
-from mixedad.contract import contract_f_with_tangent, f_cotangent
-from mixedad.op_rules import CheckpointsRunDirectly
-from mixedad.state import RngState, Snapshot
-from mixedad.tangents import eager, frozen, push_tangent
+from mixedad._frontend.state import Snapshot
+from mixedad._entry import eager
+from mixedad._frontend.tangents import push_tangent
 
 CALL = "input_grad(f, G, z, y)"
 
@@ -55,7 +51,7 @@ def input_grad(f, G, z, y, *, chunk_size=None, strategy="auto"):
     (BatchNorm statistics, spectral norm's ``u``/``v``, EMAs) and the small buffers of eval-mode
     modules (step counters), recorded before every chunk; that record costs one copy of those
     buffers per chunk. Buffers are updated once per chunk by the
-    forward, as the naive code updates them, and end as it leaves them (see :mod:`mixedad.state`).
+    forward, as the naive code updates them, and end as it leaves them (see :mod:`mixedad._frontend.state`).
     With ``chunk_size``, f must be a sum over latent codes; this is checked on the first two chunks.
 
     Args:
@@ -103,67 +99,6 @@ class _Meta:
         self.states = []
 
 
-def gradient_chunk(f, G, z_chunks, y_leaves, y_spec):
-    """∂f(y, G(*z_chunks))/∂z_chunks by one reverse pass through G, with y treated as constant."""
-    # The user's kernels (fused attention has a first-order backward), with attention dropout on
-    # the math backend, which the backward's replay uses, and so masks whose rows see only keys
-    # masked by large finite numbers (the fused backward is inexact there); reentrant checkpoints
-    # run directly (they refuse .grad()).
-    with torch.enable_grad(), MathBackendWhereFusedDiffers(), routing(CheckpointsRunDirectly()):
-        z_work = [zc.detach().requires_grad_() for zc in z_chunks]
-        with as_in_a_plain_call():  # and grad mode back on after G, even if G leaves it off
-            g_leaves, g_spec = tree_flatten(frozen(G)(*z_work))
-        g_in, g_work, index = graph_inputs(g_leaves)
-        y_work = [leaf.detach().requires_grad_() for leaf in y_leaves]
-        out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
-        _checks.check_scalar_output(CALL, out)
-        _checks.check_no_foreign_leaves(CALL, out, y_work + g_work)
-        df_dg = (torch.autograd.grad(out.reshape(()), g_work, allow_unused=True) if out.requires_grad and g_work
-                 else [None] * len(g_work))
-        pairs = [(g_leaves[i], d) for i, d in zip(index, df_dg) if d is not None and g_leaves[i].requires_grad]
-        grads = [None] * len(z_work)
-        if pairs:
-            grads = torch.autograd.grad(
-                [g for g, _ in pairs], z_work, grad_outputs=[d for _, d in pairs], allow_unused=True
-            )
-    pieces = [torch.zeros_like(zc) if d is None else d for d, zc in zip(grads, z_chunks)]
-    return pieces, ([leaf.detach() if differentiable(leaf) else leaf for leaf in g_leaves], g_spec,
-                    out.detach().reshape(()))
-
-
-def check_sum_over_codes(f, y_leaves, y_spec, first, second):
-    r"""Refuse an f that is not a sum over latent codes, which chunking would silently change.
-
-    .. math::
-
-        fig(y, [g_1; g_2]ig) \overset{?}{=} f(y, g_1) + f(y, g_2)
-
-    for the outputs of the first two chunks joined along dim 0. f is cheap; the random state
-    is restored afterwards. Outputs that cannot be joined along dim 0 are not checked.
-    """
-    (g1, spec, f1), (g2, _, f2) = first, second
-    if any(not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[1:] != b.shape[1:] for a, b in zip(g1, g2)):
-        return
-    rng = RngState()
-    try:
-        with torch.no_grad():
-            joined = f(tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec),
-                       tree_unflatten([torch.cat([a, b]) for a, b in zip(g1, g2)], spec)).reshape(())
-    finally:
-        rng.restore()
-    total = f1 + f2
-    tolerance = {torch.float64: 1e-10, torch.float32: 1e-5}.get(total.dtype, 1e-2)
-    scale = max(f1.abs().item() + f2.abs().item(), torch.finfo(torch.float64).tiny)
-    if not abs(joined.item() - total.item()) <= tolerance * scale:
-        raise ValueError(
-            f"{CALL}: f is not a sum over latent codes: on the first two chunks joined it gives "
-            f"{joined.item():.6g}, but the two chunks apart sum to {total.item():.6g}. With chunk_size, "
-            f"input_grad differentiates the sum over chunks of f, a different objective here (f "
-            f"averages or couples codes, e.g. g.mean() or g - g.mean(0)). Use chunk_size=None, or "
-            f"write f as a sum over codes (a mean over N codes: a sum divided by N)."
-        )
-
-
 class _InputGrad(torch.autograd.Function):
     @staticmethod
     def forward(meta, *tensors):
@@ -174,13 +109,13 @@ class _InputGrad(torch.autograd.Function):
             state = Snapshot(meta.G, modules=meta.states[0].modules if meta.states else (), call=CALL)
             meta.states.append(state)
             with state.watching():
-                pieces, evaluated = gradient_chunk(meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec)
+                pieces, evaluated = gradient_chunk(CALL, meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec)
             if outs is None:
                 return tuple(pieces)
             if len(seen) < 2:
                 seen.append(evaluated)
                 if len(seen) == 2:
-                    check_sum_over_codes(meta.f, y_leaves, meta.y_spec, *seen)
+                    check_sum_over_codes(CALL, meta.f, y_leaves, meta.y_spec, *seen)
                     seen[:] = [None, None]  # checked: let the two outputs go
             for out, piece in zip(outs, pieces):
                 out[c] = piece  # filled chunk by chunk: one copy of the result, not two

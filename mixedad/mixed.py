@@ -4,11 +4,12 @@ from torch.func import vmap
 
 from mixedad import _checks
 from mixedad._entry import public_call
-from mixedad._trees import tree_unflatten
+from mixedad._hooks.pytree import tree_unflatten
 from mixedad.op_rules import UnderTransformError
-from mixedad.contract import contract_f_with_tangent, f_cotangent
-from mixedad.state import Snapshot
-from mixedad.tangents import eager, push_tangent
+from mixedad._backend import contract_f_with_tangent, f_cotangent
+from mixedad._frontend.state import Snapshot
+from mixedad._entry import eager
+from mixedad._frontend.tangents import push_tangent
 
 
 @public_call
@@ -37,7 +38,7 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
             output.
         G: callable (an ``nn.Module`` or a function) mapping z to a tensor or a pytree of
             tensors. It is treated as frozen: its parameters get no gradient. In train mode,
-            dropout and BatchNorm behave as in one plain forward pass (:mod:`mixedad.state`).
+            dropout and BatchNorm behave as in one plain forward pass (:mod:`mixedad._frontend.state`).
         z: floating-point tensor, the input of G, or a tuple of them that G takes positionally
             (``G(*z)``). Batch dimensions may sit anywhere; z is treated as one point. z is a
             constant here: the result carries no graph to z.

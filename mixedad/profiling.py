@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixedad._trees import tree_leaves
+from mixedad._hooks.pytree import tree_leaves
 
 __all__ = ["StorageCounter", "peak_memory", "cuda_peak_memory", "cpu_peak_memory", "median_time"]
 

@@ -7,10 +7,11 @@ with G's depth; use them to verify mixedad's results, not in production.
 import torch
 
 from mixedad import _checks
-from mixedad._double_vjp import once_differentiable_node
+from mixedad.op_rules._double_vjp import once_differentiable_node
 from mixedad._entry import public_call
-from mixedad._trees import tree_unflatten
-from mixedad.tangents import differentiable_attention, frozen
+from mixedad._hooks.pytree import tree_unflatten
+from mixedad._entry import frozen
+from mixedad._hooks.attention_backends import differentiable_attention
 
 __all__ = [
     "double_backward_mixed_grad",

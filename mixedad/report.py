@@ -8,8 +8,9 @@ back to two reverse passes (and why).
 from mixedad import _checks
 from mixedad._entry import public_call
 from mixedad.op_rules import PATHS, WHOLE_G, PathRecorder
-from mixedad.state import Snapshot
-from mixedad.tangents import eager, push_tangent
+from mixedad._frontend.state import Snapshot
+from mixedad._entry import eager
+from mixedad._frontend.tangents import push_tangent
 
 __all__ = ["TangentReport", "tangent_report"]
 

@@ -1,7 +1,7 @@
 """Helpers for verifying mixedad's results against a reference, in tests, notebooks and the demo."""
 import torch
 
-from mixedad._trees import tree_flatten
+from mixedad._hooks.pytree import tree_flatten
 
 __all__ = ["max_relative_error", "assert_close", "check_generator", "spot_check"]
 
@@ -142,10 +142,11 @@ def check_generator(G, z, *, strategy="forward", rtol=None, seed=0):
         True
     """
     from mixedad._checks import flatten_z
-    from mixedad._function_hook import routing
-    from mixedad.op_rules import CheckpointsRunDirectly
-    from mixedad.state import Snapshot
-    from mixedad.tangents import eager, frozen, push_tangent
+    from mixedad._hooks.function_apply import routing
+    from mixedad.op_rules._custom_functions import CheckpointsRunDirectly
+    from mixedad._frontend.state import Snapshot
+    from mixedad._entry import eager, frozen
+    from mixedad._frontend.tangents import push_tangent
 
     call = "check_generator(G, z)"
     zs = flatten_z(call, z)
@@ -228,11 +229,11 @@ def spot_check(f, G, z, y, v=None, *, codes=2, strategy="auto", rtol=None, strea
     import sys
 
     from mixedad._checks import check_float_tensor
-    from mixedad._trees import tree_map
+    from mixedad._hooks.pytree import tree_map
     from mixedad.mixed import mixed_grad
     from mixedad.reference import double_backward_mixed_grad
-    from mixedad.state import Snapshot
-    from mixedad.tangents import eager
+    from mixedad._frontend.state import Snapshot
+    from mixedad._entry import eager
 
     call = "spot_check(f, G, z, y)"
     check_float_tensor(call, "z", z)

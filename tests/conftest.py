@@ -15,7 +15,7 @@ def device(request):
 @pytest.fixture(autouse=True)
 def fresh_warnings():
     """mixedad warns once per reason and G; each test starts from a clean slate, whatever ran before."""
-    from mixedad import tangents
+    from mixedad import _entry as tangents
 
     tangents._warned.clear()
     yield

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixedad
-from mixedad import _attention
+from mixedad.op_rules import _attention
 from mixedad.profiling import peak_memory
 from mixedad.reference import double_backward_input_grad, double_backward_mixed_grad
 from mixedad.testing import assert_close

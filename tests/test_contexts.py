@@ -182,7 +182,7 @@ def test_two_watches_at_once_each_see_only_their_own_threads_and_the_last_one_ou
     """mixedad's forward passes take turns today, but the watch must not rely on it."""
     import threading
 
-    from mixedad._threads import _STARTERS, watching_threads
+    from mixedad._hooks.threads import _STARTERS, watching_threads
 
     original = {name: getattr(threading, name) for name in _STARTERS}
     a_inside, b_done = threading.Event(), threading.Event()

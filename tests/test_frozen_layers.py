@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from mixedad.op_rules import OpRules
-from mixedad.tangents import _forward
+from mixedad._frontend.tangents import _forward
 from mixedad.testing import assert_close
 
 F64 = torch.float64
@@ -80,16 +80,16 @@ def test_weights_with_tangents_take_general_forward_ad():
 @pytest.fixture
 def onednn_spy(monkeypatch):
     """Counts the calls that reach the oneDNN linear kernel (None: this build has none)."""
-    from mixedad import _frozen_layers
+    from mixedad.op_rules import _frozen_layers
 
-    real = _frozen_layers._onednn_linear_op()
+    real = _frozen_layers.onednn_linear_op()
     calls = []
     if real is not None:
         def spy(*args):
             calls.append(args[0].shape)
             return real(*args)
 
-        monkeypatch.setattr(_frozen_layers, "_onednn_linear_op", lambda: spy)
+        monkeypatch.setattr(_frozen_layers, "onednn_linear_op", lambda: spy)
     return real, calls
 
 
@@ -146,11 +146,11 @@ def _mkldnn_off():
 
 
 def test_onednn_probe_leaves_the_rng_alone():
-    from mixedad import _frozen_layers
+    from mixedad.op_rules import _frozen_layers
 
-    _frozen_layers._onednn_linear_op.cache_clear()
+    _frozen_layers.onednn_linear_op.cache_clear()
     state = torch.get_rng_state()
-    _frozen_layers._onednn_linear_op()
+    _frozen_layers.onednn_linear_op()
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -197,16 +197,16 @@ def test_linear_without_input_features_takes_the_blas():
 
 
 def test_onednn_probe_ignores_default_dtype_and_device():
-    from mixedad import _frozen_layers
+    from mixedad.op_rules import _frozen_layers
 
-    if _frozen_layers._onednn_linear_op() is None:
+    if _frozen_layers.onednn_linear_op() is None:
         pytest.skip("this PyTorch build has no oneDNN linear kernel")
-    _frozen_layers._onednn_linear_op.cache_clear()
+    _frozen_layers.onednn_linear_op.cache_clear()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         with torch.device("meta"):
-            assert _frozen_layers._onednn_linear_op() is not None
+            assert _frozen_layers.onednn_linear_op() is not None
     finally:
         torch.set_default_dtype(previous)
 

@@ -87,7 +87,7 @@ def test_train_mode_matches_reference_from_same_rng_and_updates_state_once(name,
     torch.manual_seed(123)
     expected = double_backward_mixed_grad(f, ref_G, z, y, v)
     torch.manual_seed(123)
-    with torch.no_grad(), mixedad.tangents.differentiable_attention():
+    with torch.no_grad(), mixedad._frontend.tangents.differentiable_attention():
         plain_G(z)  # one plain train-mode forward: what the state should look like afterwards
     rng_plain = rng_state(device)
     for h in handles:

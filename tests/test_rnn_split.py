@@ -7,10 +7,10 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import mixedad
-from mixedad._rnn import rnn_split_rule
+from mixedad.op_rules._rnn import rnn_split_rule
 from mixedad.profiling import cpu_peak_memory
 from mixedad.reference import double_backward_mixed_grad
-from mixedad.tangents import push_tangent
+from mixedad._frontend.tangents import push_tangent
 from mixedad.testing import assert_close
 
 F64, F32 = torch.float64, torch.float32
@@ -177,14 +177,21 @@ def test_single_layer_is_not_split():
     assert "torch.lstm" not in report.ops("written formula") and "torch.lstm" in report.ops("forward AD")
 
 
-def test_no_tangent_and_one_layer_decline():
-    """NotImplemented: the dispatcher then runs the plain call."""
+def test_one_layer_declines_and_calls_without_tangent_never_reach_the_rule(monkeypatch):
+    """NotImplemented for one layer; without a tangent the dispatcher makes the plain call itself."""
+    from mixedad.op_rules import TABLE, OpCall, OpRules
+
     rnn = nn.LSTM(SIZE, HIDDEN, num_layers=2).double()
     x, h = torch.randn(STEPS, 2, SIZE, dtype=F64), torch.zeros(2, 2, HIDDEN, dtype=F64)
-    args = (x, (h, h), rnn._flat_weights, True, 2, 0.0, False, False, False)
-    assert rnn_split_rule("call", torch.lstm, args, {}, dispatch=None) is NotImplemented
     one_layer = (x, (h[:1], h[:1]), rnn._flat_weights[:4], True, 1, 0.0, False, False, False)
-    assert rnn_split_rule("call", torch.lstm, one_layer, {}, dispatch=None) is NotImplemented
+    assert rnn_split_rule(OpCall(torch.lstm, "torch.lstm", "call", one_layer, {})) is NotImplemented
+    calls = []
+    monkeypatch.setitem(TABLE, torch.lstm, TABLE[torch.lstm]._replace(apply=lambda op: calls.append(op)))
+    args = (x, (h, h), rnn._flat_weights, True, 2, 0.0, False, False, False)
+    with OpRules("call"):
+        out = torch.lstm(*args)
+    assert calls == []
+    assert_close(out[0], torch.lstm(*args)[0])
 
 
 def test_no_formula_failure_is_remembered_per_dtype():

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 from torch.autograd import forward_ad
 
-from mixedad._function_hook import routing
+from mixedad._hooks.function_apply import routing
 from mixedad.op_rules import ATTENTION, FROZEN, OpRules
-from mixedad.tangents import FORWARD_PASS_LOCK, differentiable_attention
+from mixedad._frontend.tangents import FORWARD_PASS_LOCK
+from mixedad._hooks.attention_backends import differentiable_attention
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
              nn.ConvTranspose3d)

@@ -3,7 +3,7 @@ r"""StyleGAN2-ADA-style custom ops: ``autograd.Function``\ s with forward and ba
 NVlabs' ``bias_act``, ``upfirdn2d`` and ``fma`` are written this way: a fused forward and a
 backward that is itself written in differentiable ops (StyleGAN trains with R1 and path-length
 penalties, which need double backward). They have no forward-AD formula, so PyTorch's forward
-mode cannot pass them; mixedad's local rule (:mod:`mixedad._local_rule`) can. These are
+mode cannot pass them; mixedad's local rule (:mod:`mixedad.op_rules._local`) can. These are
 mixedad's own implementations of the same maths, in plain torch ops, for tests, benchmarks and
 the zoo.
 

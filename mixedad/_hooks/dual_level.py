@@ -3,12 +3,20 @@
 The rules run for every layer of every pass, so they call the C++ entry points behind
 ``forward_ad.unpack_dual`` / ``make_dual`` directly: the Python wrappers cost more than a small
 layer's arithmetic (they re-read the level and check the environment on every call).
+
+What this relies on in torch (pinned by ``tests/_hooks/test_dual_level.py``):
+
+- ``torch.autograd.forward_ad._current_level`` is the process-wide level (-1 when none is open);
+- ``torch._unpack_dual(x, level)`` and ``torch._VF._make_dual(primal, tangent, level=...)`` are
+  what ``unpack_dual`` and ``make_dual`` call;
+- entering a second ``dual_level()`` raises from ``forward_ad.enter_dual_level`` (PyTorch has one
+  level), which :func:`raised_entering_a_dual_level` finds in the traceback.
 """
 import torch
 from torch import nn
 from torch.autograd import forward_ad
 
-from mixedad._trees import tree_leaves
+from mixedad._hooks.pytree import tree_leaves
 
 
 def unpack(x):
@@ -21,15 +29,41 @@ def dual(primal, tangent):
     return torch._VF._make_dual(primal, tangent, level=forward_ad._current_level)
 
 
+def split(x):
+    """(primal, tangent or None) of a strided tensor ``x``.
+
+    A tensor that TorchScript's interpreter hands over without autograd metadata (a scripted
+    module's bias) cannot be unpacked; it carries no tangent.
+    """
+    try:
+        return unpack(x)
+    except RuntimeError:
+        return x, None
+
+
 def tangent_of(x):
     """The tangent ``x`` carries at the innermost dual level, or None (also for non-tensors)."""
     # A Parameter never carries a tangent at mixedad's own dual level (only tensors computed
     # from z do), so it is answered without the unpacking call.
     if not isinstance(x, torch.Tensor) or isinstance(x, nn.Parameter) or x.layout != torch.strided:
         return None  # sparse and other layouts cannot carry forward-mode tangents in PyTorch
-    return unpack(x)[1]
+    return split(x)[1]
 
 
 def any_tangent(tree):
     """Whether any tensor in the pytree ``tree`` (args and kwargs, say) carries a tangent."""
     return any(tangent_of(leaf) is not None for leaf in tree_leaves(tree))
+
+
+def raised_entering_a_dual_level(error):
+    """Whether ``error`` was raised by ``forward_ad.dual_level()`` being entered (a nested level).
+
+    Read from the traceback's frames, not from the error's text.
+    """
+    codes = {forward_ad.enter_dual_level.__code__, forward_ad.dual_level.__enter__.__code__}
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False

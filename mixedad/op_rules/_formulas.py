@@ -36,7 +36,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from mixedad._duals import dual, tangent_of, unpack
+from mixedad._hooks.dual_level import dual, unpack
+from mixedad.op_rules._table import Path, defrule
 
 _CDIST_ARGS = ("x1", "x2", "p", "compute_mode")
 _GROUP_NORM_ARGS = tuple(inspect.signature(F.group_norm).parameters)  # input, num_groups, weight, bias, eps
@@ -46,17 +47,18 @@ def _matches_primal(tangent, primal):
     return tangent if tangent.shape == primal.shape else tangent.expand(primal.shape).contiguous()
 
 
-def cdist_rule(call, func, args, kwargs):
+@defrule(Path.FORMULA, torch.cdist, reason="no forward-AD formula; its backward is not differentiable",
+         arguments=_CDIST_ARGS)
+def cdist_rule(op):
     """``torch.cdist(x1, x2, p, compute_mode)``: the primal call, and the tangent written out."""
-    bound = dict(zip(_CDIST_ARGS, args), **kwargs)
-    a, b = bound["x1"], bound["x2"]
+    a, b = op.primals.get("x1"), op.primals.get("x2")
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return NotImplemented
-    (a, da), (b, db) = unpack(a), unpack(b)
+    da, db = op.tangents.get("x1"), op.tangents.get("x2")
     if da is None and db is None:
         return NotImplemented
-    p = float(bound.get("p", 2.0))
-    primal = func(a, b, **{k: v for k, v in bound.items() if k not in ("x1", "x2")})
+    p = float(op.primals.get("p", 2.0))
+    primal = op.primal()
     if p == 2.0:
         tangent = 0
         if da is not None:
@@ -70,23 +72,23 @@ def cdist_rule(call, func, args, kwargs):
         d_diff = (zeros if da is None else da.unsqueeze(-2)) - (zeros if db is None else db.unsqueeze(-3))
         norm = torch.linalg.vector_norm(dual(diff, d_diff.expand(diff.shape)), ord=p, dim=-1)
         tangent = unpack(norm)[1]
-    return dual(primal, _matches_primal(tangent, primal))
+    return primal, _matches_primal(tangent, primal)
 
 
-def group_norm_rule(call, func, args, kwargs):
+@defrule(Path.FORMULA, F.group_norm, reason="PyTorch's formula raises on non-contiguous input",
+         arguments=_GROUP_NORM_ARGS)
+def group_norm_rule(op):
     """``F.group_norm`` with frozen affine parameters, on any memory layout."""
-    bound = dict(zip(_GROUP_NORM_ARGS, args), **kwargs)
-    x = bound.get("input")
-    if not isinstance(x, torch.Tensor):
+    x, dx = op.primals.get("input"), op.tangents.get("input")
+    if not isinstance(x, torch.Tensor) or dx is None:
         return NotImplemented
-    x, dx = unpack(x)
-    weight, bias = bound.get("weight"), bound.get("bias")
-    if dx is None or tangent_of(weight) is not None or tangent_of(bias) is not None:
+    if op.tangents.get("weight") is not None or op.tangents.get("bias") is not None:
         return NotImplemented
-    primal = func(x, **{k: v for k, v in bound.items() if k != "input"})
+    weight = op.primals.get("weight")
+    primal = op.primal()
     if x.numel() == 0:
-        return dual(primal, torch.zeros_like(primal))
-    groups, eps = bound["num_groups"], bound.get("eps", 1e-5)
+        return primal, torch.zeros_like(primal)
+    groups, eps = op.primals["num_groups"], op.primals.get("eps", 1e-5)
     shape = (x.shape[0], groups, -1)
     xg, dxg = x.reshape(shape), dx.reshape(shape)
     mean = xg.mean(-1, keepdim=True)
@@ -96,4 +98,4 @@ def group_norm_rule(call, func, args, kwargs):
     tangent = d_hat.reshape(x.shape)
     if weight is not None:
         tangent = tangent * weight.reshape(1, -1, *([1] * (x.dim() - 2)))
-    return dual(primal, tangent)
+    return primal, tangent

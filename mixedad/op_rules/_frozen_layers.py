@@ -25,36 +25,16 @@ turns the oneDNN tangent off; float64 never takes it (oneDNN has no float64 kern
 neither does a pass under CPU autocast, where F.linear chooses the tangent's dtype as it does
 the primal's.
 """
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixedad._duals import dual, tangent_of, unpack
+from mixedad._hooks.onednn import onednn_linear_op
+from mixedad.op_rules._table import Path, defrule
 
-WEIGHTED = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+_CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_TRANSPOSE = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
 _BATCH_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
-
-
-@functools.lru_cache(maxsize=None)
-def _onednn_linear_op():
-    """``torch.ops.mkldnn._linear_pointwise`` if this build has it and it computes F.linear, else None.
-
-    Probed once on fixed (not random) inputs, so the user's RNG is never touched.
-    """
-    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-    if op is None or not torch.backends.mkldnn.is_available():
-        return None
-    # Explicit dtype and device: the probe must not follow a default dtype or device the user set.
-    x = torch.linspace(-1.0, 1.0, 24, dtype=torch.float32, device="cpu").reshape(2, 3, 4)
-    w = torch.linspace(0.5, -0.5, 20, dtype=torch.float32, device="cpu").reshape(5, 4)
-    try:
-        with torch.no_grad():
-            ok = torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), rtol=1e-5, atol=1e-6)
-    except (RuntimeError, NotImplementedError):
-        return None
-    return op if ok else None
 
 
 def _cpu_autocast_on():
@@ -73,48 +53,50 @@ def _linear_tangent(x_tangent, weight):
             and weight.dim() == 2 and weight.shape[1] > 0 and x_tangent.dim() >= 1  # oneDNN refuses K = 0
             and torch.backends.mkldnn.enabled
             and not _cpu_autocast_on()):  # under autocast, F.linear picks the dtype
-        op = _onednn_linear_op()
+        op = onednn_linear_op()
         if op is not None:
             return op(x_tangent, weight, None, "none", [], "")
     return F.linear(x_tangent, weight)
 
 
-def weighted_rule(call, func, args, kwargs):
-    """Frozen linear or convolution: the primal call, and the same call on the tangent without bias."""
-    if len(args) < 2 or tangent_of(args[1]) is not None:
-        return NotImplemented
-    bias_in_args = len(args) > 2
-    bias = args[2] if bias_in_args else kwargs.get("bias")
-    if not isinstance(args[0], torch.Tensor) or tangent_of(bias) is not None:
-        return NotImplemented
-    x_primal, x_tangent = unpack(args[0])
+def _frozen_input(op, *frozen):
+    """The input's tangent, when it has one and none of ``frozen`` does; else None."""
+    if any(op.tangents.get(name) is not None for name in frozen):
+        return None
+    return op.tangents.get("input")
+
+
+@defrule(Path.FROZEN, F.linear, reason="frozen weights", arguments=("input", "weight", "bias"))
+def linear_rule(op):
+    """Frozen linear layer: the primal call, and the tangent through the fastest kernel."""
+    x_tangent = _frozen_input(op, "weight", "bias")
     if x_tangent is None:
         return NotImplemented
-    primal = func(x_primal, *args[1:], **kwargs)
-    if func is F.linear:
-        tangent = _linear_tangent(x_tangent, args[1])
-    elif bias_in_args:
-        tangent = func(x_tangent, args[1], None, *args[3:], **kwargs)
-    else:
-        tangent = func(x_tangent, args[1], **{**kwargs, "bias": None})
-    return dual(primal, tangent)
+    return op.primal(), _linear_tangent(x_tangent, op.primals["weight"])
 
 
-def batch_norm_eval_rule(call, func, args, kwargs):
+@defrule(Path.FROZEN, F.conv1d, F.conv2d, F.conv3d, reason="frozen weights", arguments=_CONV)
+@defrule(Path.FROZEN, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, reason="frozen weights",
+         arguments=_CONV_TRANSPOSE)
+def convolution_rule(op):
+    """Frozen (transposed) convolution: the primal call, and the same call on the tangent without bias."""
+    x_tangent = _frozen_input(op, "weight", "bias")
+    if x_tangent is None:
+        return NotImplemented
+    return op.primal(), op.primal(input=x_tangent, bias=None)
+
+
+@defrule(Path.FROZEN, F.batch_norm, reason="eval-mode statistics", arguments=_BATCH_NORM_ARGS)
+def batch_norm_eval_rule(op):
     """Eval-mode batch norm with frozen statistics: the tangent is scaled per channel."""
-    bound = dict(zip(_BATCH_NORM_ARGS, args), **kwargs)
-    if bound.get("training", False):
+    bound = op.primals
+    if bound.get("training", False) or bound.get("running_mean") is None or bound.get("running_var") is None:
         return NotImplemented
-    x = bound.pop("input")
-    mean, var, weight = bound["running_mean"], bound["running_var"], bound.get("weight")
-    if not isinstance(x, torch.Tensor) or mean is None or var is None:
+    x_tangent = _frozen_input(op, "running_mean", "running_var", "weight", "bias")
+    if x_tangent is None:
         return NotImplemented
-    x_primal, x_tangent = unpack(x)
-    if x_tangent is None or any(tangent_of(t) is not None for t in (mean, var, weight, bound.get("bias"))):
-        return NotImplemented
-    primal = F.batch_norm(x_primal, **bound)
-    scale = torch.rsqrt(var + bound.get("eps", 1e-5))
-    if weight is not None:
-        scale = scale * weight
+    scale = torch.rsqrt(bound["running_var"] + bound.get("eps", 1e-5))
+    if bound.get("weight") is not None:
+        scale = scale * bound["weight"]
     shape = (1, -1, *([1] * (x_tangent.dim() - 2))) if x_tangent.dim() >= 2 else (-1,)
-    return dual(primal, x_tangent * scale.reshape(shape))
+    return op.primal(), x_tangent * scale.reshape(shape)

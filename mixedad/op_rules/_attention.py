@@ -41,26 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mixedad._composites import COMPOSITES, run_inside
-from mixedad._duals import dual, tangent_of, unpack
+from mixedad._hooks.attention_backends import math_backend
+from mixedad._hooks.composites import COMPOSITES, run_inside
+from mixedad.op_rules._table import Path, defrule
 
 #: Bytes of scores per block (all batch entries and heads, a block of queries, every key).
 BLOCK_BYTES = 3 << 19  # 1.5 MiB
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-class Rerouted:
-    """A rule's result that took another path than the rule's own (for the report)."""
-
-    def __init__(self, value, path, reason):
-        self.value, self.path, self.reason = value, path, reason
-
-
-def _math_backend():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(SDPBackend.MATH)
 
 
 def _repeat_heads(t, repeats):
@@ -157,26 +145,26 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
     return tangent.to(out.dtype)
 
 
-def sdpa_rule(call, func, args, kwargs):
+@defrule(Path.ATTENTION, F.scaled_dot_product_attention, reason="fused primal, blockwise tangent",
+         arguments=_SDPA_ARGS)
+def sdpa_rule(op):
     """``F.scaled_dot_product_attention``: the user's kernel for the primal, the tangent blockwise."""
-    bound = dict(zip(_SDPA_ARGS, args), **kwargs)
-    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
+    q, k, v = (op.primals.get(name) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return NotImplemented
-    (q, dq), (k, dk), (v, dv) = unpack(q), unpack(k), unpack(v)
+    dq, dk, dv = (op.tangents.get(name) for name in ("query", "key", "value"))
     if dq is None and dk is None and dv is None:
         return NotImplemented
-    mask = bound.get("attn_mask")
-    if bound.get("dropout_p", 0.0) > 0 or tangent_of(mask) is not None:
-        with _math_backend():
-            out = func(*args, **kwargs)  # forward AD through the math backend's ops
-        reason = "dropout: math backend" if bound.get("dropout_p", 0.0) > 0 else "mask with a tangent: math backend"
-        return Rerouted(out, "forward AD", reason)
-    rest = {name: value for name, value in bound.items() if name not in ("query", "key", "value")}
-    primal = func(q, k, v, **rest)
-    tangent = blockwise_tangent(q, k, v, primal, dq, dk, dv, attn_mask=mask, is_causal=bound.get("is_causal", False),
-                                scale=bound.get("scale"), enable_gqa=bound.get("enable_gqa", False))
-    return dual(primal, tangent)
+    mask = op.primals.get("attn_mask")
+    if op.primals.get("dropout_p", 0.0) > 0 or op.tangents.get("attn_mask") is not None:
+        reason = "dropout: math backend" if op.primals.get("dropout_p", 0.0) > 0 else "mask with a tangent: math backend"
+        op.reroute(Path.FORWARD, reason)
+        with math_backend():
+            return op.func(*op.args, **op.kwargs), None  # forward AD through the math backend's ops
+    primal = op.primal()
+    tangent = blockwise_tangent(q, k, v, primal, dq, dk, dv, attn_mask=mask, is_causal=op.primals.get("is_causal", False),
+                                scale=op.primals.get("scale"), enable_gqa=op.primals.get("enable_gqa", False))
+    return primal, tangent
 
 
 #: A mask row whose largest finite entry lies below this masks its keys "by a large number"
@@ -226,6 +214,6 @@ class MathBackendWhereFusedDiffers(TorchFunctionMode):
         if func in COMPOSITES:
             return run_inside(self, func, args, kwargs)
         if func is F.scaled_dot_product_attention and _needs_math_backend(args, kwargs):
-            with _math_backend():
+            with math_backend():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)

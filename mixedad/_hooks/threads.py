@@ -11,8 +11,8 @@ The watch sits where every ``threading.Thread.start`` ends (``threading._start_n
 thread pools start their threads there too). It is in place only while some pass runs, and it
 counts a start only in a thread that is running a pass: threads that other threads start
 meanwhile (a second caller of mixedad, a data loader, a logger) are not G's. Two passes in two
-threads share one watch (a count under a lock); the last one out puts ``threading`` back as it
-was. A profile function was tried instead: it is exact too but makes a small G's pass 1.7x
+threads share one watch (:class:`mixedad._hooks.refcount.SharedPatch`); the last one out puts
+``threading`` back as it was. A profile function was tried instead: it is exact too but makes a small G's pass 1.7x
 slower.
 
 Threads started inside a custom Function's forward are not counted (:func:`unwatched`): what a
@@ -23,10 +23,10 @@ Function computes inside its forward is not differentiated through; its ``jvp`` 
 import contextlib
 import threading
 
+from mixedad._hooks.refcount import SharedPatch
+
 _STARTERS = tuple(name for name in ("_start_new_thread", "_start_joinable_thread") if hasattr(threading, name))
 _state = threading.local()
-_lock = threading.Lock()
-_passes = 0
 _originals = {}
 
 
@@ -42,25 +42,20 @@ def _watched(original):
     return start_thread
 
 
-def _enter():
-    global _passes
-    with _lock:
-        if _passes == 0:
-            for name in _STARTERS:
-                _originals[name] = getattr(threading, name)
-                setattr(threading, name, _watched(_originals[name]))
-        _passes += 1
+def _install():
+    for name in _STARTERS:
+        _originals[name] = getattr(threading, name)
+        setattr(threading, name, _watched(_originals[name]))
 
 
-def _leave():
-    global _passes
-    with _lock:
-        _passes -= 1
-        if _passes == 0:
-            for name, original in _originals.items():
-                if getattr(getattr(threading, name), "_mixedad_watch", False):
-                    setattr(threading, name, original)
-            _originals.clear()
+def _uninstall():
+    for name, original in _originals.items():
+        if getattr(getattr(threading, name), "_mixedad_watch", False):
+            setattr(threading, name, original)
+    _originals.clear()
+
+
+_PATCH = SharedPatch(_install, _uninstall)
 
 
 @contextlib.contextmanager
@@ -68,15 +63,14 @@ def watching_threads():
     """Record the Python threads this thread starts while the block runs: yields a list, one entry each."""
     started = []
     outer = getattr(_state, "started", None)
-    _enter()
-    _state.started = started
-    try:
-        yield started
-    finally:
-        _state.started = outer
-        if outer is not None:
-            outer.extend(started)
-        _leave()
+    with _PATCH.use():
+        _state.started = started
+        try:
+            yield started
+        finally:
+            _state.started = outer
+            if outer is not None:
+                outer.extend(started)
 
 
 @contextlib.contextmanager

@@ -7,8 +7,8 @@ r"""The double-VJP trick: a Jacobian-vector product from two reverse passes.
 :math:`u \mapsto J^\top u` is linear, so the derivative in u is J at every u; mixedad evaluates
 it at u = 1 (all ones), never at u = 0, where some backward formulas are singular (PyTorch's
 ``logcumsumexp`` backward takes ``log|u|``). Used for a single op by the local rule
-(:mod:`mixedad._local_rule`) and for all of G by the whole-G fallback in
-:mod:`mixedad.tangents`.
+(:mod:`mixedad.op_rules._local`) and for all of G by the whole-G fallback in
+:mod:`mixedad._frontend.tangents`.
 
 Reverse mode is the meaning. Where the second pass cannot reach u, the backward of some op is
 not differentiable, and double backward through it would either raise or silently lose that
@@ -16,9 +16,7 @@ path; mixedad raises :class:`OpRuleError` instead of returning a number.
 """
 import torch
 
-
-class OpRuleError(RuntimeError):
-    """An op whose tangent mixedad can compute neither by forward AD nor by reverse mode."""
+from mixedad.op_rules._errors import OpRuleError
 
 
 def once_differentiable_node(roots):

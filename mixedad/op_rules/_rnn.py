@@ -36,7 +36,7 @@ dropout, concatenating the final states) runs as plain forward AD.
 """
 import torch
 
-from mixedad._duals import any_tangent
+from mixedad.op_rules._table import Path, defrule
 
 #: The fused RNN functions that ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` call.
 FUSED_RNNS = (torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu)
@@ -55,18 +55,21 @@ def _bind(args, kwargs):
     return (packed, bound) if len(bound) == len(names) else None
 
 
-def rnn_split_rule(call, func, args, kwargs, *, dispatch):
-    """A fused multi-layer RNN call as one call per layer, each through ``dispatch``.
+@defrule(Path.FORMULA, *FUSED_RNNS, reason="multi-layer RNN split per layer")
+def rnn_split_rule(op):
+    """A fused multi-layer RNN call as one call per layer, each through the dispatch again.
 
-    Returns NotImplemented when ``num_layers`` is 1, when no input carries a tangent, or when the
-    arguments do not have the shapes PyTorch expects (the plain call then raises its own error).
+    Returns NotImplemented when ``num_layers`` is 1, or when the arguments do not have the shapes
+    PyTorch expects (the plain call then raises its own error). It binds the arguments itself,
+    since the padded and packed overloads name them differently.
     """
-    found = _bind(args, kwargs)
+    func, dispatch = op.func, op.dispatch
+    found = _bind(op.args, op.kwargs)
     if found is None:
         return NotImplemented
     packed, bound = found
     layers = bound["num_layers"]
-    if not isinstance(layers, int) or layers <= 1 or not any_tangent((args, kwargs)):
+    if not isinstance(layers, int) or layers <= 1:
         return NotImplemented
     lstm = func is torch.lstm
     states = list(bound["hx"]) if lstm else [bound["hx"]]
@@ -100,4 +103,4 @@ def rnn_split_rule(call, func, args, kwargs, *, dispatch):
             final.append(t)
     if batch_first:
         x = x.transpose(0, 1)
-    return (x, *(torch.cat(final, 0) for final in finals))
+    return (x, *(torch.cat(final, 0) for final in finals)), None  # the outputs carry their tangents

@@ -4,7 +4,7 @@ The front end computes :math:`g = G(z)` and :math:`\dot g = J_G(z)\, v` together
 to each op of G is decided in one place, :mod:`mixedad.op_rules`; this module runs the pass:
 
 - **forward** (the default): forward-mode AD, G running with grad enabled as in a plain call and
-  grad mode read at each op (:mod:`mixedad._grad_mode`: what G computes with grad off is a
+  grad mode read at each op (:mod:`mixedad._frontend.grad_mode`: what G computes with grad off is a
   constant; ops run with grad on record no reverse graph). Outside torch.func
   transforms it uses ``torch.autograd.forward_ad`` (dual tensors), which also runs BatchNorm in
   train mode (its running statistics are updated once and never become dual), with
@@ -15,12 +15,12 @@ to each op of G is decided in one place, :mod:`mixedad.op_rules`; this module ru
   ``torch.func.vmap`` and the other transforms it uses ``torch.func.jvp``, which vmap can batch,
   and PyTorch's formulas only. Memory: one forward pass holding primal and tangent, flat in G's
   depth. ``F.scaled_dot_product_attention`` keeps the user's fused kernel for the primal and
-  takes a blockwise tangent (:mod:`mixedad._attention`); the nn.MultiheadAttention /
+  takes a blockwise tangent (:mod:`mixedad.op_rules._attention`); the nn.MultiheadAttention /
   TransformerEncoderLayer fast path is switched off during the pass, because its fused kernels
   bypass SDPA and have no forward-AD formula. Inside torch.func transforms, attention runs
   through the math SDPA backend.
 - **reverse** (the whole-G fallback): the double-VJP trick for all of G, :math:`J_G v =
-  \partial_u \langle J_G^\top u, v\rangle` (:mod:`mixedad._double_vjp`). It needs no forward-mode
+  \partial_u \langle J_G^\top u, v\rangle` (:mod:`mixedad.op_rules._double_vjp`). It needs no forward-mode
   formula but keeps G's graph: memory grows with depth. ``strategy="auto"`` takes it, with a
   warning, only where the forward pass cannot go on: inside the caller's own
   ``forward_ad.dual_level()``, an op that fails inside a torch.func transform, or an output that
@@ -32,125 +32,31 @@ different random numbers than eager replays would.
 """
 import contextlib
 import functools
-import re
 import threading
-import warnings
 
 import torch
 from torch import nn
 from torch.autograd import forward_ad
-from torch.func import functional_call, jvp, vjp
+from torch.func import jvp, vjp
 
-from mixedad._double_vjp import OpRuleError, double_vjp
-from mixedad._function_hook import routing
-from mixedad._grad_mode import ReadGradMode
-from mixedad._local_rule import NeedsWholeG
-from mixedad._nesting import one_pass
-from mixedad._threads import watching_threads
-from mixedad._transforms import in_functorch_transform
-from mixedad._trees import describe, differentiable, tree_flatten, tree_unflatten
-from mixedad.op_rules import (REVERSE_MODE_INSIDE, SKIPPABLE, FunctionsUnderTransforms, OpRules, RestartPass,
-                               ReverseMode, UnderTransformError)
-from mixedad.state import Snapshot
+from mixedad._entry import frozen, warn_once
+from mixedad._frontend.grad_mode import ReadGradMode
+from mixedad._frontend.nesting import one_pass
+from mixedad._frontend.state import Snapshot
+from mixedad._hooks.attention_backends import differentiable_attention
+from mixedad._hooks.dual_level import raised_entering_a_dual_level
+from mixedad._hooks.function_apply import routing
+from mixedad._hooks.functorch import in_functorch_transform
+from mixedad._hooks.module_hooks import backward_hooks
+from mixedad._hooks.pytree import describe, differentiable, tree_flatten
+from mixedad._hooks.tensor_kinds import shares_memory_within
+from mixedad._hooks.threads import watching_threads
+from mixedad.op_rules import REVERSE_MODE_INSIDE, SKIPPABLE, OpRules
+from mixedad.op_rules._custom_functions import FunctionsUnderTransforms, ReverseMode
+from mixedad.op_rules._double_vjp import double_vjp
+from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
 
 STRATEGIES = ("auto", "forward", "reverse")
-
-_UNSUPPORTED = [
-    re.compile(r"Trying to use forward AD with (\S+) that does not support it"),
-    re.compile(r"(custom autograd\.Function)"),  # "You must implement the jvp function for custom ..."
-    re.compile(r"autograd\.Function with (functorch) transforms"),  # needs setup_context for torch.func
-]
-_warned = set()
-
-
-def _warn_once(key, message):
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-def unsupported_op(error):
-    """The op named by a 'no forward-AD formula' error, or None for any other error."""
-    for pattern in _UNSUPPORTED:
-        match = pattern.search(str(error))
-        if match:
-            name = match.group(1)
-            return "a custom autograd.Function without a jvp staticmethod" if "autograd" in name or name == "functorch" else name
-    return None
-
-
-def eager(G):
-    """G itself, or the original eager module/function behind a ``torch.compile`` wrapper."""
-    orig = getattr(G, "_orig_mod", None) if isinstance(G, nn.Module) else getattr(G, "_torchdynamo_orig_callable", None)
-    if orig is None:
-        return G
-    _warn_once(("compiled", id(orig)),
-               "mixedad: G is compiled with torch.compile; mixedad runs its original eager module or "
-               "function instead, because compiled graphs do not carry forward-mode tangents reliably.")
-    return orig
-
-
-def frozen(G):
-    """G as a callable whose parameters are constants for autograd.
-
-    For an ``nn.Module``, the call goes through ``torch.func.functional_call`` with detached
-    parameters: autograd then neither records G's parameters nor keeps the activations their
-    gradients would need, and the module's requires_grad flags are never touched. Other
-    callables, and ``torch.jit.script``'ed modules, are returned as they are.
-    """
-    if not isinstance(G, nn.Module):
-        return G
-    if isinstance(G, torch.jit.ScriptModule):
-        # functional_call cannot enter a scripted module: it runs as it is. torch.autograd.grad
-        # still writes no .grad; only the graph through its parameters is kept as well.
-        return G
-
-    def call(*args):
-        params = {name: p.detach() for name, p in G.named_parameters()}
-        return functional_call(G, params, args)
-
-    return call
-
-
-@contextlib.contextmanager
-def no_fused_attention_layers():
-    """The nn.MultiheadAttention / TransformerEncoderLayer fast path off; the flag restored on exit.
-
-    The fused encoder-layer kernels have neither forward-AD nor double-backward formulas, and
-    they bypass ``F.scaled_dot_product_attention``, where mixedad's attention rule sits.
-    """
-    mha = getattr(torch.backends, "mha", None)
-    if mha is None or not hasattr(mha, "get_fastpath_enabled"):
-        yield
-        return
-    previous = mha.get_fastpath_enabled()
-    mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        mha.set_fastpath_enabled(previous)
-
-
-@contextlib.contextmanager
-def differentiable_attention():
-    """Attention kernels with every derivative: math SDPA, and no MHA / encoder-layer fast path.
-
-    For double backward (the whole-G fallback, the reference) and for passes without mixedad's
-    attention rule (inside torch.func transforms): the fused kernels (flash and
-    memory-efficient SDPA, the fused TransformerEncoderLayer) have neither forward-AD formulas
-    nor double-backward formulas.
-    """
-    with contextlib.ExitStack() as stack:
-        try:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-        except ImportError:  # torch < 2.3
-            stack.enter_context(torch.backends.cuda.sdp_kernel(
-                enable_flash=False, enable_math=True, enable_mem_efficient=False))
-        stack.enter_context(no_fused_attention_layers())
-        yield
-
 
 def _check_outputs(call, g_leaves, out=None):
     """G's output must hold a floating-point tensor; its other leaves (indices, None) reach f as constants."""
@@ -192,14 +98,14 @@ def _tensors_only(call, G, refusal):
 def _own_memory(t):
     """``t`` detached; copied when its elements share memory (``expand``), which dual tensors refuse."""
     t = t.detach()
-    return t.clone() if torch._debug_has_internal_overlap(t) == 1 else t
+    return t.clone() if shares_memory_within(t) else t
 
 
 def _forward(call, G, zs, vs, rules):
     """Forward-mode pass. Returns (primal leaves, tangent leaves or None where lost, spec).
 
     G runs with grad enabled, as in a plain call; grad mode is read at each op
-    (:mod:`mixedad._grad_mode`). ``rules`` is the :class:`mixedad.op_rules.OpRules` dispatch,
+    (:mod:`mixedad._frontend.grad_mode`). ``rules`` is the :class:`mixedad.op_rules.OpRules` dispatch,
     which steps aside inside torch.func transforms; None for PyTorch's formulas only.
     """
     if rules is None:
@@ -211,7 +117,7 @@ def _forward(call, G, zs, vs, rules):
                 f"mixed_grad, or a batched pass). Call mixed_grad once per tangent (mixed_jacobian does "
                 f"that by itself), where mixedad gives double backward's answer.")
 
-        if isinstance(G, nn.Module) and _backward_hooks(G.modules()):
+        if isinstance(G, nn.Module) and backward_hooks(G.modules()):
             raise refusal(_HOOKED)
         try:
             with torch.enable_grad(), differentiable_attention(), routing(FunctionsUnderTransforms(call)), \
@@ -223,17 +129,22 @@ def _forward(call, G, zs, vs, rules):
                     raise refusal("G leaves grad mode off when it returns")
             if threads:
                 raise refusal(_THREADS)
-        except RuntimeError as error:
-            if "mutate a captured Tensor" in str(error):
-                raise refusal("G updates a buffer in place (BatchNorm's running statistics in train mode, a "
-                              "counter)") from error
-            raise
+        except NeedsWholeG as error:
+            raise refusal(str(error)) from error
         return list(g), list(g_dot), spec[0]
     with contextlib.ExitStack() as stack:
+        stack.enter_context(FORWARD_PASS_LOCK)
+        if forward_ad._current_level >= 0:
+            # PyTorch has one forward-AD level: inside the caller's own dual_level() neither dual
+            # tensors nor torch.func.jvp can open another.
+            raise NeedsWholeG("called inside an open forward_ad.dual_level(), and PyTorch cannot nest "
+                              "forward-mode AD")
         stack.enter_context(torch.enable_grad())
-        # With the attention rule, SDPA keeps the user's fused kernel; without it, forward AD
-        # needs the math backend.
-        stack.enter_context(no_fused_attention_layers() if rules.attention else differentiable_attention())
+        # With the attention rule, SDPA keeps the user's fused kernel (and torch leaves the
+        # nn.MultiheadAttention fast path while a torch-function mode is active); without it,
+        # forward AD needs the math backend.
+        if not rules.attention:
+            stack.enter_context(differentiable_attention())
         stack.enter_context(forward_ad.dual_level())
         duals = [forward_ad.make_dual(_own_memory(z), _own_memory(v)) for z, v in zip(zs, vs)]
         with watching_threads() as threads:
@@ -309,19 +220,10 @@ def _whole_g(call, G, zs, vs, strategy, reason, recorder, cotangent, at_cotangen
                                   f"(mixed_jacobian does that by itself).")
     if recorder is not None:
         recorder.fallback = reason
-    _warn_once(("whole-G", reason, _g_name(G)),
+    warn_once(("whole-G", reason, _g_name(G)),
                f"mixedad: {reason}; pushing tangents through all of G with two reverse passes instead "
                f"(the double-VJP trick). Memory now grows with G's depth.")
     return _reverse(call, G, zs, vs, cotangent, at_cotangent)
-
-
-def _backward_hooks(modules):
-    """Whether any of ``modules``, or every module (global hooks), has backward hooks."""
-    from torch.nn.modules import module as module_globals
-
-    if module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks:
-        return True
-    return any(m._backward_hooks or m._backward_pre_hooks for m in modules)
 
 
 def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=None):
@@ -358,25 +260,20 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
             if recorder is not None:
                 recorder.fallback = "strategy='reverse'"
             return _reverse(call, G, zs, vs, cotangent)
-        with FORWARD_PASS_LOCK:
-            return _push_forward(call, G, zs, vs, strategy, recorder, cotangent)
+        return _push_forward(call, G, zs, vs, strategy, recorder, cotangent)
 
 
 #: PyTorch keeps one forward-AD level for the whole process (``forward_ad._current_level``), so
 #: two threads in forward mode at once would see each other's level. mixedad's forward passes
-#: take turns; a pass nested in the same thread still sees its own level (reentrant lock).
+#: take turns for the block that holds the level, and only for it: the whole-G fallback and the
+#: passes under torch.func transforms run at once in other threads.
 FORWARD_PASS_LOCK = threading.RLock()
 
 
 def _push_forward(call, G, zs, vs, strategy, recorder, cotangent):
     whole_g = functools.partial(_whole_g, call, G, zs, vs, strategy, recorder=recorder, cotangent=cotangent)
-    if forward_ad._current_level >= 0 and not in_functorch_transform():
-        # PyTorch has one forward-AD level: inside the caller's own dual_level() neither dual
-        # tensors nor torch.func.jvp can open another.
-        return whole_g("called inside an open forward_ad.dual_level(), and PyTorch cannot nest "
-                       "forward-mode AD")
     snapshot = Snapshot(G, call=call)
-    if _backward_hooks(snapshot.modules):
+    if backward_hooks(snapshot.modules):
         return whole_g(_HOOKED, at_cotangent=True)
     rules = OpRules(call, recorder)
     for _ in range(MAX_RESTARTS + 1):
@@ -392,18 +289,17 @@ def _push_forward(call, G, zs, vs, strategy, recorder, cotangent):
             snapshot.restore()
             return whole_g(str(error), at_cotangent=error.at_cotangent)
         except (RuntimeError, NotImplementedError) as error:
-            if _NESTED_FORWARD_AD in str(error):
+            if raised_entering_a_dual_level(error):
                 snapshot.restore()
                 return whole_g("G uses forward-mode AD inside itself, and PyTorch cannot nest forward-mode AD")
-            op = unsupported_op(error)
-            if op is None:
+            if not isinstance(error, NotImplementedError):  # torch's type for "no forward-AD formula"
                 raise
             snapshot.restore()
-            return whole_g(f"{op} has no forward-mode AD formula here")
+            return whole_g("an op of G that mixedad's dispatch does not see has no forward-mode AD formula here")
     else:
         snapshot.restore()
         return whole_g(f"more than {MAX_RESTARTS} ops of G needed the local rule in one call")
-    if _backward_hooks(snapshot.modules):  # modules that a G which is not a Module ran
+    if backward_hooks(snapshot.modules):  # modules that a G which is not a Module ran
         snapshot.restore()
         return whole_g(_HOOKED, at_cotangent=True)
     lost = [i for i, t in enumerate(tangents) if t is None and differentiable(g_leaves[i])]
@@ -423,11 +319,10 @@ def _push_forward(call, G, zs, vs, strategy, recorder, cotangent):
                   f"compiled graph, or a custom op?)")
         if recorder is not None:
             recorder.fallback = reason
-        _warn_once(("lost", _g_name(G)),
+        warn_once(("lost", _g_name(G)),
                    f"mixedad: {reason}; computed it with two reverse passes instead. Memory now grows "
                    f"with G's depth.")
     return g_leaves, tangents, spec
 
 
-_NESTED_FORWARD_AD = "Nested forward mode AD is not supported"
 _HOOKED = "a module of G has backward hooks (register_full_backward_hook), which forward mode never runs"

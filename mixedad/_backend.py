@@ -1,7 +1,7 @@
 r"""Differentiating the cheap f twice: mixedad's reverse-mode back end.
 
 Given :math:`g = G(z)` and the tangent :math:`\dot g = J_G(z)\, v` from the front end
-(:mod:`mixedad.tangents`), the mixed derivative is
+(:mod:`mixedad._frontend.tangents`), the mixed derivative is
 
 .. math::
 
@@ -15,9 +15,14 @@ import torch
 from torch.func import grad, jvp
 
 from mixedad import _checks
-from mixedad.state import RngState
-from mixedad._transforms import in_functorch_transform, under_differentiating_transform
-from mixedad._trees import differentiable, graph_inputs, tree_unflatten
+from mixedad._frontend.grad_mode import as_in_a_plain_call
+from mixedad._frontend.state import RngState
+from mixedad._entry import frozen
+from mixedad._hooks.function_apply import routing
+from mixedad.op_rules._custom_functions import CheckpointsRunDirectly
+from mixedad.op_rules._attention import MathBackendWhereFusedDiffers
+from mixedad._hooks.functorch import in_functorch_transform, under_differentiating_transform
+from mixedad._hooks.pytree import differentiable, graph_inputs, tree_flatten, tree_unflatten
 
 
 def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, *, create_graph):
@@ -118,3 +123,67 @@ def f_cotangent(call, f, y_leaves, y_spec, *, create_graph=False):
         return result
 
     return cotangent
+
+
+# input_grad's reverse pass: the gradient in z of one chunk, and the check that f sums over codes.
+
+
+def gradient_chunk(call, f, G, z_chunks, y_leaves, y_spec):
+    """∂f(y, G(*z_chunks))/∂z_chunks by one reverse pass through G, with y treated as constant."""
+    # The user's kernels (fused attention has a first-order backward), with attention dropout on
+    # the math backend, which the backward's replay uses, and so masks whose rows see only keys
+    # masked by large finite numbers (the fused backward is inexact there); reentrant checkpoints
+    # run directly (they refuse .grad()).
+    with torch.enable_grad(), MathBackendWhereFusedDiffers(), routing(CheckpointsRunDirectly()):
+        z_work = [zc.detach().requires_grad_() for zc in z_chunks]
+        with as_in_a_plain_call():  # and grad mode back on after G, even if G leaves it off
+            g_leaves, g_spec = tree_flatten(frozen(G)(*z_work))
+        g_in, g_work, index = graph_inputs(g_leaves)
+        y_work = [leaf.detach().requires_grad_() for leaf in y_leaves]
+        out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
+        _checks.check_scalar_output(call, out)
+        _checks.check_no_foreign_leaves(call, out, y_work + g_work)
+        df_dg = (torch.autograd.grad(out.reshape(()), g_work, allow_unused=True) if out.requires_grad and g_work
+                 else [None] * len(g_work))
+        pairs = [(g_leaves[i], d) for i, d in zip(index, df_dg) if d is not None and g_leaves[i].requires_grad]
+        grads = [None] * len(z_work)
+        if pairs:
+            grads = torch.autograd.grad(
+                [g for g, _ in pairs], z_work, grad_outputs=[d for _, d in pairs], allow_unused=True
+            )
+    pieces = [torch.zeros_like(zc) if d is None else d for d, zc in zip(grads, z_chunks)]
+    return pieces, ([leaf.detach() if differentiable(leaf) else leaf for leaf in g_leaves], g_spec,
+                    out.detach().reshape(()))
+
+
+def check_sum_over_codes(call, f, y_leaves, y_spec, first, second):
+    r"""Refuse an f that is not a sum over latent codes, which chunking would silently change.
+
+    .. math::
+
+        f\big(y, [g_1; g_2]\big) \overset{?}{=} f(y, g_1) + f(y, g_2)
+
+    for the outputs of the first two chunks joined along dim 0. f is cheap; the random state
+    is restored afterwards. Outputs that cannot be joined along dim 0 are not checked.
+    """
+    (g1, spec, f1), (g2, _, f2) = first, second
+    if any(not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[1:] != b.shape[1:] for a, b in zip(g1, g2)):
+        return
+    rng = RngState()
+    try:
+        with torch.no_grad():
+            joined = f(tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec),
+                       tree_unflatten([torch.cat([a, b]) for a, b in zip(g1, g2)], spec)).reshape(())
+    finally:
+        rng.restore()
+    total = f1 + f2
+    tolerance = {torch.float64: 1e-10, torch.float32: 1e-5}.get(total.dtype, 1e-2)
+    scale = max(f1.abs().item() + f2.abs().item(), torch.finfo(torch.float64).tiny)
+    if not abs(joined.item() - total.item()) <= tolerance * scale:
+        raise ValueError(
+            f"{call}: f is not a sum over latent codes: on the first two chunks joined it gives "
+            f"{joined.item():.6g}, but the two chunks apart sum to {total.item():.6g}. With chunk_size, "
+            f"input_grad differentiates the sum over chunks of f, a different objective here (f "
+            f"averages or couples codes, e.g. g.mean() or g - g.mean(0)). Use chunk_size=None, or "
+            f"write f as a sum over codes (a mean over N codes: a sum divided by N)."
+        )

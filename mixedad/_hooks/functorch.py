@@ -1,10 +1,30 @@
-"""Where a call stands relative to torch.func transforms (vmap, grad, jvp, ...)."""
+"""Where a call stands relative to torch.func transforms (vmap, grad, jvp, ...).
+
+What this relies on in torch (pinned by ``tests/_hooks/test_functorch.py``):
+
+- ``torch._C._functorch.maybe_current_level()`` is None outside every transform, and the
+  innermost transform's level inside;
+- ``torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters()`` lists the transforms
+  in force, each with ``key()`` a ``torch._C._functorch.TransformType``;
+- ``torch._C._functorch.is_functorch_wrapped_tensor(t)`` tells the transforms' tensors (batched
+  or dual) from tensors captured from outside (a module's buffers).
+"""
 import torch
+
+
+def current_level():
+    """The innermost torch.func transform's level, or None outside every transform."""
+    return torch._C._functorch.maybe_current_level()
 
 
 def in_functorch_transform():
     """True inside torch.func.vmap, grad, jvp, ... (where dual tensors cannot be used)."""
-    return torch._C._functorch.maybe_current_level() is not None
+    return current_level() is not None
+
+
+def is_wrapped(t):
+    """Whether ``t`` is a transform's tensor (batched or dual), not one captured from outside."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def under_differentiating_transform():

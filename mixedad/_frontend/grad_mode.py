@@ -25,13 +25,14 @@ in a plain call, and mixedad restores the grad mode it found when its pass ends.
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mixedad._trees import tree_flatten, tree_map, tree_unflatten
+from mixedad._hooks.functorch import current_level, is_wrapped, under_differentiating_transform
+from mixedad._hooks.grad_mode import GRAD_MODE_SETTERS, forward_ad_enabled, set_grad_enabled
+from mixedad._hooks.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-#: Torch functions that set grad mode themselves: run as they are, never inside a no-graph block
-#: (whose end would undo what they set).
-GRAD_MODE_SETTERS = frozenset({torch._C._set_grad_enabled})
+__all__ = ["GRAD_MODE_SETTERS", "primals", "no_graph", "run_as_constant", "ReadGradMode", "as_in_a_plain_call"]
 
 
 def primals(tree):
@@ -43,11 +44,11 @@ def primals(tree):
 @contextlib.contextmanager
 def no_graph():
     """Grad disabled for the block and re-enabled after it; for ops called with grad enabled."""
-    torch._C._set_grad_enabled(False)
+    set_grad_enabled(False)
     try:
         yield
     finally:
-        torch._C._set_grad_enabled(True)
+        set_grad_enabled(True)
 
 
 def run_as_constant(func, args, kwargs):
@@ -80,12 +81,12 @@ class ReadGradMode(TorchFunctionMode):
     def __init__(self, refuse=None, refusal=RuntimeError):
         super().__init__()
         self.refuse, self.refusal = refuse or {}, refusal
-        level = torch._C._functorch.maybe_current_level()
+        level = current_level()
         self.level = -1 if level is None else level  # G runs one level deeper, inside the pass's jvp
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        level = torch._C._functorch.maybe_current_level()
+        level = current_level()
         if level is not None and level > self.level + 1:
             return func(*args, **kwargs)  # a transform G runs inside itself (torch.func.grad in G)
         if func in GRAD_MODE_SETTERS:
@@ -96,8 +97,43 @@ class ReadGradMode(TorchFunctionMode):
             raise self.refusal("G enters inference mode inside itself")
         if not torch.is_grad_enabled():
             return run_as_constant(func, args, kwargs)
+        if _writes_captured(func, args, kwargs):
+            raise self.refusal("G updates a buffer in place (BatchNorm's running statistics in train mode, a "
+                               "counter) with a value computed from z")
         with no_graph():
             return func(*args, **kwargs)
+
+
+#: Functions that update their running statistics in place when training.
+_RUNNING_STATS = {F.batch_norm: ("running_mean", 1, "training", 5), F.instance_norm: ("running_mean", 1, "use_input_stats", 5)}
+
+
+def _writes_captured(func, args, kwargs):
+    """Whether ``func`` writes a value computed from z into a tensor from outside the transform.
+
+    torch.func refuses that (the write cannot carry the transform's batch or tangent); mixedad
+    names it before torch raises, from the call's structure: an in-place method or ``out=``
+    whose target is not one of the transform's tensors while an input is, or batch / instance
+    norm updating running statistics from such an input.
+    """
+    name = getattr(func, "__name__", "")
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    # Under a differentiating transform (mixedad's jvp) every tensor made inside is the
+    # transform's, so an unwrapped one was captured, and torch.func refuses any write into it.
+    if not under_differentiating_transform() and not any(is_wrapped(t) for t in inputs):
+        return False
+    target = kwargs.get("out")
+    if target is None and (name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))):
+        target = args[0] if args else None
+    if isinstance(target, torch.Tensor):
+        return not is_wrapped(target)
+    stats = _RUNNING_STATS.get(func)
+    if stats is not None:
+        key, position, flag, flag_position = stats
+        running = kwargs.get(key, args[position] if len(args) > position else None)
+        updating = kwargs.get(flag, args[flag_position] if len(args) > flag_position else func is F.instance_norm)
+        return isinstance(running, torch.Tensor) and bool(updating) and not is_wrapped(running)
+    return False
 
 
 @contextlib.contextmanager
@@ -107,10 +143,5 @@ def as_in_a_plain_call():
     For the reverse passes that input_grad's forward runs inside its own autograd.Function,
     whose forward PyTorch runs with both switched off: G may use either inside itself.
     """
-    forward_before = torch._C._is_fwd_grad_enabled()
-    torch._C._set_fwd_grad_enabled(True)
-    try:
-        with torch.enable_grad():
-            yield
-    finally:
-        torch._C._set_fwd_grad_enabled(forward_before)
+    with forward_ad_enabled(), torch.enable_grad():
+        yield

@@ -1,0 +1,21 @@
+"""Module backward hooks, which forward mode never runs.
+
+What this relies on in torch (pinned by ``tests/_hooks/test_module_hooks.py``):
+
+- a module's backward hooks live in ``module._backward_hooks`` and ``_backward_pre_hooks``, the
+  global ones in ``torch.nn.modules.module._global_backward_hooks`` and
+  ``_global_backward_pre_hooks``;
+- full backward hooks run through the custom Function
+  ``torch.nn.modules._functions.BackwardHookFunction``.
+"""
+from torch.nn.modules import module as _module_globals
+from torch.nn.modules._functions import BackwardHookFunction
+
+__all__ = ["BackwardHookFunction", "backward_hooks"]
+
+
+def backward_hooks(modules):
+    """Whether any of ``modules``, or every module (global hooks), has backward hooks."""
+    if _module_globals._global_backward_hooks or _module_globals._global_backward_pre_hooks:
+        return True
+    return any(m._backward_hooks or m._backward_pre_hooks for m in modules)

@@ -1,0 +1,22 @@
+"""The stack of torch-function modes, which a rule steps out of to run an op plainly.
+
+What this relies on in torch (pinned by ``tests/_hooks/test_torch_function_stack.py``):
+``torch._C._len_torch_function_stack()`` and ``torch._C._get_function_stack_at(i)`` read the
+thread's stack of ``TorchFunctionMode``\\ s (innermost last), and
+``torch.overrides._pop_mode_temporarily()`` takes the innermost one off for a block.
+"""
+import contextlib
+
+import torch
+from torch.overrides import _pop_mode_temporarily
+
+
+@contextlib.contextmanager
+def popped(mode):
+    """``mode`` off for the block, when it is the innermost torch function mode."""
+    depth = torch._C._len_torch_function_stack()
+    if depth and torch._C._get_function_stack_at(depth - 1) is mode:
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield

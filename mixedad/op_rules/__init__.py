@@ -1,0 +1,254 @@
+r"""Per-op tangent rules: what happens to each op of G in mixedad's forward pass.
+
+mixedad pushes :math:`\dot g = J_G(z)\, v` through G one op at a time. Every op that receives a
+tangent takes one of the paths of :class:`Path`, decided by one dispatch
+(:meth:`OpRules.__torch_function__` for torch functions; custom ``autograd.Function``\ s through
+the same class):
+
+=======================  ====================================================================
+path                     used for
+=======================  ====================================================================
+``frozen layer``         ``F.linear``, ``F.conv{1,2,3}d``, ``F.conv_transpose{1,2,3}d`` and
+                         eval-mode ``F.batch_norm`` whose weights carry no tangent: one plain
+                         call for the primal, one for the tangent
+``blockwise attention``  ``F.scaled_dot_product_attention``: the user's fused kernel for the
+                         primal, the tangent a block of queries at a time, never the whole
+                         :math:`T \times T` matrix
+``written formula``      ``torch.cdist`` and ``F.group_norm``, whose PyTorch formulas are
+                         missing or raise on channels-last input; fused multi-layer
+                         ``nn.LSTM``/``GRU``/``RNN`` calls, split into one call per layer that
+                         goes through this dispatch again
+``user rule``            a rule registered with :func:`register` (a third-party CUDA op, a
+                         compiled ``upfirdn2d``), spot-checked against the op's backward
+``local double-VJP``     ops in ``KNOWN_WRONG``, ``DROPS_TANGENT`` and ``NO_FORMULA``, library
+                         ops (``torch.library``), custom Functions without ``jvp``, and any op
+                         whose forward-AD formula raises:
+                         :math:`J_{op} v = \partial_u \langle J_{op}^\top u, v\rangle` for
+                         that op alone
+``forward AD``           everything else: PyTorch's own formula; custom Functions with ``jvp``
+``whole-G fallback``     the last resort: two reverse passes through all of G. Memory grows
+                         with G's depth; it always warns
+=======================  ====================================================================
+
+All paths but the last keep memory flat in G's depth. An op whose formula raises is found at run
+time: the pass stops, G's random state and buffers are restored, the op is remembered (an op
+without a formula, which PyTorch signals with ``NotImplementedError``, per dtype and device of its
+floating-point inputs; another failure per input signature: dtypes, shapes, strides) and the pass
+starts again, with that op on the local rule from then on. Failures are told apart by the
+exception's type, never by matching its text. A reentrant ``torch.utils.checkpoint`` block runs
+directly: mixedad's pass builds no reverse graph through G, so there is nothing to recompute.
+
+Only calls that pass through ``__torch_function__`` are seen. Ops inside a torch function that
+has been let through run there as plain ops, except inside the Python composites of
+``mixedad._hooks.composites.COMPOSITES`` (``F.multi_head_attention_forward``, which
+``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` call), whose bodies run with the
+dispatch active, so their projections take the frozen-layer rule and their attention the
+attention rule. :func:`mixedad.tangent_report` shows, for a given G and z, which op took which
+path.
+
+Users give a tangent rule to an op mixedad does not know with :func:`register`.
+"""
+import contextlib
+import functools
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from mixedad._frontend.grad_mode import GRAD_MODE_SETTERS, no_graph, run_as_constant
+from mixedad._hooks.composites import COMPOSITES, CompositeReentered, run_inside
+from mixedad._hooks.dual_level import any_tangent
+from mixedad._hooks.function_apply import original_apply
+from mixedad._hooks.functorch import in_functorch_transform
+from mixedad._hooks.library_ops import is_library_op
+from mixedad._hooks.torch_function_stack import popped
+from mixedad.op_rules import _attention, _formulas, _frozen_layers, _rnn  # noqa: F401  (they register their rules)
+from mixedad.op_rules._custom_functions import GRADIENT_HOOKS, forward_pass_custom_function
+from mixedad.op_rules._errors import (FunctionUnderTransformError, NeedsWholeG, OpRuleError, RestartPass,
+                                      UnderTransformError)
+from mixedad.op_rules._local import (DROPS_TANGENT, FAILED, KNOWN_WRONG, LIBRARY_OP_RULE, NO_FORMULA, failed_rule,
+                                     forget_failures, remember_failure)
+from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, pack
+from mixedad.op_rules._user import register, unregister
+
+__all__ = [
+    "Path", "PATHS", "SKIPPABLE", "Rule", "OpCall", "TABLE", "register", "unregister", "skipping", "op_name",
+    "OpRules", "PathRecorder", "OpRuleError", "UnderTransformError", "FunctionUnderTransformError",
+    "KNOWN_WRONG", "DROPS_TANGENT", "NO_FORMULA", "forget_failures",
+]
+
+FROZEN, ATTENTION, FORMULA, USER, LOCAL, FORWARD, WHOLE_G = Path
+#: Every path, in the order the report lists them.
+PATHS = tuple(Path)
+#: The paths a pass can be told not to take (:func:`skipping`, ``OpRules(skip=...)``).
+SKIPPABLE = (Path.FROZEN, Path.ATTENTION, Path.FORMULA, Path.USER, Path.LOCAL)
+
+#: Torch functions that need G's reverse graph: G differentiates inside itself, or changes its
+#: own gradients with a hook (which forward mode never runs). All of G then takes the whole-G
+#: fallback; for hooks at double backward's own cotangent, since a hook need not be linear.
+REVERSE_MODE_INSIDE = {
+    torch.autograd.grad: "G calls torch.autograd.grad inside itself",
+    torch.autograd.backward: "G calls torch.autograd.backward inside itself",
+    torch.Tensor.backward: "G calls Tensor.backward inside itself",
+    torch.Tensor.register_hook: "G registers a gradient hook (Tensor.register_hook), which forward mode never runs",
+}
+#: ``t.requires_grad`` as G reads it: True for a tensor that carries a tangent, as in reverse mode
+#: (G may branch on it: ``if h.requires_grad: h.register_hook(...)``).
+REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
+#: Reverse-mode graph attributes as G reads them: forward mode has no graph, so a G that branches
+#: on them takes the whole-G fallback, where they are what double backward sees.
+GRAPH_ATTRIBUTES = {torch.Tensor.is_leaf.__get__: "Tensor.is_leaf", torch.Tensor.grad_fn.__get__: "Tensor.grad_fn"}
+
+
+@functools.lru_cache(maxsize=None)
+def op_name(func):
+    """A readable name for a torch function: ``torch.nn.functional.linear``, ``torch.Tensor.add``."""
+    if isinstance(func, type):
+        return f"{func.__qualname__} (custom Function)"
+    return resolve_name(func) or getattr(func, "__qualname__", None) or repr(func)
+
+
+_settings = threading.local()
+
+
+@contextlib.contextmanager
+def skipping(*paths):
+    """Passes started in this thread inside the block do not take ``paths`` (benchmarks use it).
+
+    ``skipping(LOCAL, FORMULA)`` gives mixedad as it was before per-op rules: an op forward mode
+    cannot take sends all of G to the whole-G fallback.
+    """
+    unknown = [p for p in paths if p not in SKIPPABLE]
+    if unknown:
+        raise ValueError(f"skipping(*paths): expected paths from {[str(p) for p in SKIPPABLE]}, got {unknown}.")
+    previous = getattr(_settings, "skip", ())
+    _settings.skip = tuple(previous) + tuple(Path(p) for p in paths)
+    try:
+        yield
+    finally:
+        _settings.skip = previous
+
+
+class OpRules(TorchFunctionMode):
+    """The dispatch: inside mixedad's forward-AD pass, sends each op to its path.
+
+    Args:
+        call: the public call's name, for messages.
+        recorder: None, or a :class:`PathRecorder` that counts which op took which path.
+        skip: keyword-only; paths not to take (``FROZEN``, ``ATTENTION``, ``FORMULA``, ``USER``,
+            ``LOCAL``), for benchmarks and the zoo's calibration. Ops then take PyTorch's formula,
+            and without ``LOCAL`` an op whose formula is missing sends G to the whole-G fallback.
+    """
+
+    def __init__(self, call, recorder=None, *, skip=None):
+        super().__init__()
+        self.call, self.recorder = call, recorder
+        skip = tuple(Path(p) for p in (getattr(_settings, "skip", ()) if skip is None else skip))
+        self.local = Path.LOCAL not in skip
+        self.attention = Path.ATTENTION not in skip
+        self.skip = skip
+        self.failed = FAILED if self.local else {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if in_functorch_transform():
+            return func(*args, **kwargs)  # G runs torch.func.vmap (or another transform) inside
+        if func in GRAD_MODE_SETTERS:
+            return func(*args, **kwargs)
+        if not torch.is_grad_enabled():  # G turned grad off here: a constant, as in reverse mode
+            return run_as_constant(func, args, kwargs)
+        if func in COMPOSITES:
+            try:
+                return run_inside(self, func, args, kwargs)
+            except CompositeReentered as error:
+                raise NeedsWholeG(f"mixedad's copy of {op_name(func)} does not fit this torch version ({error})") \
+                    from error
+        if func in REVERSE_MODE_INSIDE:
+            raise NeedsWholeG(REVERSE_MODE_INSIDE[func], at_cotangent=func in GRADIENT_HOOKS)
+        if func == REQUIRES_GRAD and any_tangent(args):
+            return True  # as in reverse mode, where what depends on z requires grad
+        if func in GRAPH_ATTRIBUTES and any_tangent(args):
+            raise NeedsWholeG(f"G reads {GRAPH_ATTRIBUTES[func]} of a tensor that depends on z, which only a "
+                              f"reverse pass has")
+        with no_graph():  # tangents only: no reverse graph through G's parameters
+            return self._dispatch(func, args, kwargs)
+
+    def rule_for(self, func):
+        """The rule ``func`` takes in this pass, or None for PyTorch's formula."""
+        rule = TABLE.get(func)
+        if rule is None and self.local and is_library_op(func):
+            rule = LIBRARY_OP_RULE
+        return None if rule is None or rule.path in self.skip else rule
+
+    def _dispatch(self, func, args, kwargs):
+        if not any_tangent((args, kwargs)):
+            return func(*args, **kwargs)  # the plain call: no tangent to push
+        rule = self.rule_for(func)
+        if rule is not None:
+            result = self.apply(rule, func, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        if func in self.failed:  # its formula raised before, for these inputs: the local rule
+            rule = failed_rule(func, args, kwargs)
+            if rule is not None:
+                result = self.apply(rule, func, args, kwargs)
+                if result is not NotImplemented:
+                    return result
+        try:
+            result = func(*args, **kwargs)
+        except NotImplementedError as error:  # torch's type for "no forward-AD formula"
+            if not self.local:
+                raise NeedsWholeG(f"{op_name(func)} has no forward-mode AD formula here") from error
+            remember_failure(func, args, kwargs, error)
+            raise RestartPass(op_name(func), error) from error
+        except RuntimeError as error:
+            if isinstance(error, OpRuleError) or not self.local:
+                raise
+            remember_failure(func, args, kwargs, error)
+            raise RestartPass(op_name(func), error) from error
+        if self.recorder is not None and any_tangent(result):
+            self.recorder.add(op_name(func), Path.FORWARD, "PyTorch's formula")
+        return result
+
+    def apply(self, rule, func, args, kwargs, name=None):
+        """Run ``rule`` on this call: bind, unpack, call, pack, record. NotImplemented if it declines."""
+        op = OpCall(func, name or op_name(func), self.call, args, kwargs, rule.arguments or (), dispatch=self._reenter)
+        result = rule.apply(op)
+        if result is NotImplemented:
+            return NotImplemented
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise OpRuleError(f"{self.call}: the tangent rule {rule.owner} for {op.name} returned "
+                              f"{type(result).__name__}; a rule returns (output, output_tangent) or NotImplemented")
+        value = pack(*result)
+        if self.recorder is not None:
+            path, reason = op.rerouted or (rule.path, rule.reason)
+            self.recorder.add(op.name, path, reason)
+        return value
+
+    def _reenter(self, func, *args, **kwargs):
+        """``func(*args, **kwargs)`` through this dispatch, from inside a rule (grad on, as at the rule's op)."""
+        with torch.enable_grad(), self:
+            return func(*args, **kwargs)
+
+    def custom_function(self, cls, args, kwargs):
+        """The dispatch for ``cls.apply(*args, **kwargs)``, a custom autograd.Function."""
+        rule = TABLE.get(cls)
+        if rule is not None and torch.is_grad_enabled() and any_tangent((args, kwargs)) and rule.path not in self.skip:
+            with popped(self):
+                result = self.apply(rule, functools.partial(original_apply, cls), args, kwargs, name=op_name(cls))
+            if result is not NotImplemented:
+                return result
+        return forward_pass_custom_function(self, cls, args, kwargs)
+
+
+class PathRecorder:
+    """Counts, per op, the calls that took each path; and the whole-G fallback, if any."""
+
+    def __init__(self):
+        self.counts = {}
+        self.fallback = None
+
+    def add(self, op, path, reason):
+        key = (op, Path(path), reason)
+        self.counts[key] = self.counts.get(key, 0) + 1
+

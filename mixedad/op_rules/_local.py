@@ -1,0 +1,201 @@
+r"""The local rule: one op's tangent by two reverse passes through that op alone.
+
+.. math::
+
+    \dot y = J_{\mathrm{op}}\, \dot x = \partial_u \big\langle J_{\mathrm{op}}^\top u,\ \dot x \big\rangle
+
+For an op that forward mode cannot take (no formula, a formula that raises, one known to be
+wrong, or a custom ``autograd.Function`` without ``jvp``), the op runs once on the primals of
+its inputs with grad enabled, and :func:`mixedad.op_rules._double_vjp.double_vjp` differentiates its
+backward. The result goes on as a dual tensor, so the rest of G stays in forward mode.
+
+Memory: the op's own graph (its saved tensors and its backward's graph), alive only while the
+op runs; nothing accumulates across G's depth. Time: about one forward, one backward and one
+double backward of that op. The op runs exactly once, so it draws the random numbers and
+updates the buffers that its own call would.
+"""
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from mixedad._hooks.dual_level import dual, unpack
+from mixedad._hooks.function_apply import direct
+from mixedad._hooks.pytree import tree_flatten, tree_unflatten
+from mixedad.op_rules._double_vjp import double_vjp
+from mixedad.op_rules._errors import NeedsWholeG
+from mixedad.op_rules._table import Path, Rule, defrule
+
+#: Torch ops whose forward-AD formula in PyTorch is known to be silently wrong: they take the
+#: local rule although forward AD "works". name: (upstream issue, what goes wrong). The umbrella
+#: issue is pytorch#198017. Checked and found consistent, so not listed: ``hardsigmoid``, whose
+#: float64 derivative is float32(1/6) (3e-8 off) in forward and reverse mode alike; mixedad
+#: follows reverse mode, which is the meaning.
+KNOWN_WRONG = {
+    "cholesky_inverse": ("pytorch#196682", "wrong tangent for a non-diagonal factor (relative error 0.45)"),
+    "cholesky_solve": ("pytorch#196694", "wrong tangent for a batched factor with a broadcast right-hand side "
+                                         "(relative error 113)"),
+    "logcumsumexp": ("pytorch#196705", "wrong tangent for logits far apart (0.48 where 1.0 is right)"),
+}
+
+#: Torch ops whose forward-AD formula silently drops the tangent (the output comes back without
+#: one although it depends on the input): ``scatter_reduce`` with ``reduce="prod"``.
+DROPS_TANGENT = ("scatter_reduce",)
+
+#: Torch ops with no forward-AD formula in PyTorch (torch 2.13), sent straight to the local rule
+#: instead of being found by a failed first attempt. ``torch.cdist`` has a written formula.
+NO_FORMULA = ("cholesky", "ormqr", "index_reduce", "grid_sampler", "grid_sampler_2d", "grid_sampler_3d")
+
+
+def _is_inplace(func):
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.startswith("__")
+
+
+def local_jvp(call, name, func, args, kwargs, *, custom=False):
+    """Run ``func(*args, **kwargs)`` with the local rule; NotImplemented if no input has a tangent.
+
+    Args:
+        call: the public call's name, for messages.
+        name: the op's name, for messages.
+        func: the op (a torch function, or a custom Function's ``apply`` bound to its class).
+        args, kwargs: as the op was called, possibly holding dual tensors (nested in lists,
+            tuples and dicts too).
+        custom: keyword-only; True for a custom Function. Its inputs are then handed over as
+            non-leaf copies, since it may write into them (``ctx.mark_dirty``); an output that
+            is one of those copies is written back into the caller's tensor, tangent included.
+
+    Returns:
+        The op's result with the same structure; every floating-point output that depends on
+        an input with a tangent is a dual tensor.
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    work, diff, tangents = list(leaves), [], []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            primal, tangent = unpack(leaf) if leaf.layout == torch.strided else (leaf, None)
+            work[i] = primal.detach()
+            if tangent is not None:
+                diff.append(i)
+                tangents.append(tangent)
+    if not diff:
+        return NotImplemented
+    inplace = _is_inplace(func)
+    with torch.enable_grad():
+        inputs = [work[i].requires_grad_() for i in diff]
+        copied = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)] if custom else []
+        if inplace and isinstance(leaves[0], torch.Tensor):
+            copied = [0]  # the op writes into its first argument
+        for i in copied:  # non-leaf copies to write into
+            work[i] = work[i].clone()
+        call_args, call_kwargs = tree_unflatten(work, spec)
+        out = func(*call_args, **call_kwargs)
+        if inplace and isinstance(leaves[0], torch.Tensor):
+            out = work[0]
+        out_leaves, out_spec = tree_flatten(out)
+        # Outputs that are inputs written in place (ctx.mark_dirty, or an in-place torch op).
+        written = {j: i for j, o in enumerate(out_leaves) for i in copied if o is work[i]}
+        live = [j for j, o in enumerate(out_leaves)
+                if isinstance(o, torch.Tensor) and o.requires_grad and (o.is_floating_point() or o.is_complex())]
+        sparse = [out_leaves[j] for j in live if out_leaves[j].layout != torch.strided]
+        if sparse:
+            raise NeedsWholeG(f"{name} returns a {sparse[0].layout} tensor, which cannot carry a forward-mode "
+                              f"tangent in PyTorch")
+        out_tangents = double_vjp(call, name, [out_leaves[j] for j in live], inputs, tangents) if live else []
+    result = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
+    for j, t in zip(live, out_tangents):
+        result[j] = dual(result[j], t)
+    for j, i in written.items():
+        leaves[i].copy_(result[j])  # forward AD carries the tangent into the caller's tensor
+        result[j] = leaves[i]
+    return tree_unflatten(result, out_spec)
+
+
+def local_rule(op):
+    """The local rule as a tangent rule: the op's outputs come back carrying their tangents."""
+    with direct():  # the op's own reverse passes see the Functions it runs as torch defines them
+        value = local_jvp(op.call, op.name, op.func, op.args, op.kwargs)
+    return NotImplemented if value is NotImplemented else (value, None)
+
+
+def _torch_funcs(name):
+    """The torch functions called ``name``: ``torch.name``, ``Tensor.name`` and ``Tensor.name_``."""
+    found = [getattr(torch, name, None), getattr(torch.Tensor, name, None), getattr(torch.Tensor, name + "_", None)]
+    return [f for f in found if f is not None]
+
+
+for _name, (_issue, _what) in KNOWN_WRONG.items():
+    defrule(Path.LOCAL, *_torch_funcs(_name), reason=f"known-wrong formula ({_issue})")(local_rule)
+for _name in NO_FORMULA:
+    defrule(Path.LOCAL, *_torch_funcs(_name), reason="no forward-AD formula")(local_rule)
+for _name in DROPS_TANGENT:
+    defrule(Path.LOCAL, *_torch_funcs(_name), reason="PyTorch's formula drops the tangent")(local_rule)
+defrule(Path.LOCAL, F.grid_sample, reason="no forward-AD formula")(local_rule)
+
+#: Ops of other namespaces than aten (``torch.library.custom_op``, torchvision's C++ ops): PyTorch
+#: has no forward-AD rule for them and may drop their tangent silently, so they take the local rule,
+#: which differentiates the backward they registered.
+LIBRARY_OP_RULE = Rule(Path.LOCAL, local_rule, "library op: no forward-AD rule")
+
+
+# Ops whose formula raised at run time: func -> {key: reason}. The key is, for an op without a
+# formula (NotImplementedError), the dtypes and devices of its floating-point inputs; for any
+# other failure, the input signature (dtypes, shapes, strides). Shared by every pass in the
+# process, so each op and key costs one restarted pass at most. Failures are told apart by the
+# exception's type, never by its text.
+FAILED = {}
+_FAILED_LOCK = threading.Lock()
+_MAX_FAILED_SIGNATURES = 256
+
+
+def _signature(args, kwargs):
+    leaves, spec = tree_flatten((args, kwargs))
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((leaf.dtype, leaf.device.type, tuple(leaf.shape),
+                          tuple(leaf.stride()) if leaf.layout == torch.strided else None))
+        else:
+            try:
+                hash(leaf)
+                parts.append(leaf)
+            except TypeError:
+                parts.append(type(leaf).__name__)
+    return (str(spec), tuple(parts))
+
+
+def _kinds(args, kwargs):
+    """The key of a "no formula" failure: the (dtype, device type) pairs of the op's floating inputs.
+
+    PyTorch picks an op's kernel, and with it whether there is a formula, by dtype and device (a
+    float32 LSTM on the CPU runs oneDNN's kernel, which has none; a float64 one does not).
+    """
+    kinds = {(leaf.dtype, leaf.device.type) for leaf in tree_flatten((args, kwargs))[0]
+             if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())}
+    return ("no formula", tuple(sorted(kinds, key=str)))
+
+
+def remember_failure(func, args, kwargs, error):
+    """Send ``func`` to the local rule from now on, for inputs like these."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if len(reason) > 120:
+        reason = reason[:117] + "..."
+    no_formula = isinstance(error, NotImplementedError)  # torch's "no forward-AD formula" type
+    signature = _kinds(args, kwargs) if no_formula else _signature(args, kwargs)
+    with _FAILED_LOCK:
+        seen = FAILED.setdefault(func, {})
+        if len(seen) < _MAX_FAILED_SIGNATURES:
+            seen[signature] = f"forward-AD formula raised: {reason}"
+
+
+def failed_rule(func, args, kwargs):
+    """The local rule for ``func`` if its formula raised before on inputs like these, else None."""
+    seen = FAILED[func]
+    reason = seen.get(_kinds(args, kwargs)) or seen.get(_signature(args, kwargs))
+    return None if reason is None else Rule(Path.LOCAL, local_rule, reason)
+
+
+def forget_failures():
+    """Clear the process-wide memory of ops whose forward-AD formula raised (for tests)."""
+    with _FAILED_LOCK:
+        FAILED.clear()

@@ -1,0 +1,190 @@
+r"""The rule table in JAX's shape: one signature, one table, registration beside each rule.
+
+A tangent rule is a function ``rule(op)`` of one :class:`OpCall`: one call of one op, its
+arguments bound by name and split into primals and tangents. It returns ``(output,
+output_tangent)``, where ``output_tangent`` has the structure of ``output`` and holds None where an
+output leaf has no tangent; or ``(output, None)`` for an output whose leaves already carry their
+tangents (a rule that re-enters the dispatch); or ``NotImplemented`` when it does not apply to this
+call (the op then takes the next path: a remembered failure, then PyTorch's formula).
+
+The dispatcher (:class:`mixedad.op_rules.OpRules`) does the common work once: it binds the
+arguments, unpacks dual tensors, calls the op plainly when no argument carries a tangent, packs
+the returned tangents into dual tensors, and records the path for :func:`mixedad.tangent_report`.
+"""
+import enum
+import inspect
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from mixedad._hooks.dual_level import dual, split
+from mixedad._hooks.pytree import tree_flatten, tree_unflatten
+
+__all__ = ["Path", "Rule", "OpCall", "TABLE", "defrule"]
+
+
+class Path(str, enum.Enum):
+    """The paths an op can take in mixedad's forward pass, in the order reports list them."""
+
+    FROZEN = "frozen layer"
+    ATTENTION = "blockwise attention"
+    FORMULA = "written formula"
+    USER = "user rule"
+    LOCAL = "local double-VJP"
+    FORWARD = "forward AD"
+    WHOLE_G = "whole-G fallback"
+
+    def __str__(self):
+        return self.value
+
+    def __format__(self, spec):
+        return format(self.value, spec)
+
+    @property
+    def description(self) -> str:
+        """What the path does, in one sentence (the docs' path table is built from these)."""
+        return _DESCRIPTIONS[self]
+
+
+_DESCRIPTIONS = {
+    Path.FROZEN: "Linear, convolution and eval-mode batch norm whose weights carry no tangent: one plain call "
+                 "for the primal and one for the tangent.",
+    Path.ATTENTION: "Scaled dot-product attention: the user's fused kernel for the primal, the tangent a block "
+                    "of queries at a time, never the whole T x T matrix.",
+    Path.FORMULA: "Ops whose PyTorch formula is missing or unusable, with the tangent written out; fused "
+                  "multi-layer RNNs split into one call per layer.",
+    Path.USER: "A rule the user registered with mixedad.op_rules.register, spot-checked against the op's "
+               "backward the first time it is used.",
+    Path.LOCAL: "The op's tangent by two reverse passes through that op alone: ops with no, a wrong or a raising "
+                "formula, custom Functions without jvp, library ops.",
+    Path.FORWARD: "PyTorch's own forward-AD formula; a custom Function's own jvp.",
+    Path.WHOLE_G: "The last resort: two reverse passes through all of G. Memory grows with G's depth; it warns.",
+}
+
+
+class OpCall:
+    """One call of one op, as a tangent rule sees it.
+
+    Attributes:
+        func: the op (a torch function, an ``OpOverload``, or a custom Function's ``apply``).
+        name: its readable name, for messages and reports.
+        call: the public call's name (``"mixed_grad(f, G, z, y)"``), for messages.
+        args, kwargs: the call as G made it, dual tensors included.
+        primals: the arguments by name (positional ones named by the rule's ``arguments``),
+            tensors replaced by their primals; nested containers keep their structure.
+        tangents: the same names, each tensor replaced by its tangent or None.
+    """
+
+    def __init__(self, func, name, call, args, kwargs, names=(), dispatch=None):
+        self.func, self.name, self.call, self.args, self.kwargs = func, name, call, args, kwargs
+        self._names = tuple(names)
+        self._dispatch = dispatch
+        self.rerouted = None
+        leaves, spec = tree_flatten((args, kwargs))
+        split_leaves = [split(x) if _carries(x) else (x, None) for x in leaves]
+        self._primal_args, self._primal_kwargs = tree_unflatten([p for p, _ in split_leaves], spec)
+        tangent_args, tangent_kwargs = tree_unflatten([t for _, t in split_leaves], spec)
+        self.primals = self._by_name(self._primal_args, self._primal_kwargs)
+        self.tangents = self._by_name(tangent_args, tangent_kwargs)
+
+    def _by_name(self, args, kwargs):
+        named = {(self._names[i] if i < len(self._names) else f"arg{i}"): a for i, a in enumerate(args)}
+        named.update(kwargs)
+        return named
+
+    def primal(self, **overrides):
+        """The op called plainly on the primals, with arguments replaced by name (``bias=None``)."""
+        args = list(self._primal_args)
+        kwargs = dict(self._primal_kwargs)
+        for key, value in overrides.items():
+            position = self._names.index(key) if key in self._names else -1
+            if 0 <= position < len(args):
+                args[position] = value
+            else:
+                kwargs[key] = value
+        return self.func(*args, **kwargs)
+
+    def reroute(self, path, reason):
+        """Record that this call took ``path`` instead of the rule's own (attention with dropout)."""
+        self.rerouted = (Path(path), reason)
+
+    def dispatch(self, func, *args, **kwargs):
+        """``func(*args, **kwargs)`` through mixedad's dispatch again, so that call takes its own path."""
+        if self._dispatch is None:
+            raise RuntimeError(f"{self.name}: this rule cannot re-enter the dispatch here")
+        return self._dispatch(func, *args, **kwargs)
+
+
+def _carries(x):
+    return isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) and x.layout == torch.strided
+
+
+def pack(output, tangent):
+    """``output`` with ``tangent`` attached leaf by leaf (None: the leaf stays as it is)."""
+    if tangent is None:
+        return output
+    if isinstance(output, torch.Tensor):
+        return output if tangent is None else dual(output, tangent)
+    out_leaves, spec = tree_flatten(output)
+    tangent_leaves = tree_flatten(tangent, is_leaf=lambda x: x is None)[0]
+    if len(tangent_leaves) != len(out_leaves):
+        raise ValueError(f"a tangent rule returned {len(tangent_leaves)} tangents for {len(out_leaves)} outputs")
+    return tree_unflatten([o if t is None else dual(o, t) for o, t in zip(out_leaves, tangent_leaves)], spec)
+
+
+class Rule(NamedTuple):
+    """One path for one op.
+
+    Attributes:
+        path: the :class:`Path` it takes.
+        apply: ``apply(op: OpCall)``, returning ``(output, output_tangent)`` or NotImplemented.
+        reason: why the op takes this path, for reports.
+        arguments: the names of the op's positional arguments, in order, or None.
+        owner: who wrote it: ``"mixedad"``, or the user's function's qualified name.
+    """
+
+    path: Path
+    apply: Callable[[OpCall], Any]
+    reason: str
+    arguments: Optional[Tuple[str, ...]] = None
+    owner: str = "mixedad"
+
+
+#: The one table: op -> :class:`Rule`. Ops not in it take PyTorch's formula.
+TABLE: Dict[Any, Rule] = {}
+
+
+def defrule(path, *ops, reason, arguments=None):
+    """Register the decorated function as the rule of ``ops`` on ``path`` (mixedad's own rules)."""
+
+    def register(apply):
+        for op in ops:
+            TABLE[op] = Rule(Path(path), apply, reason, arguments_of(op, arguments))
+        return apply
+
+    return register
+
+
+def arguments_of(op, given=None):
+    """The names of ``op``'s positional arguments: ``given``, or read from its schema or signature."""
+    if given is not None:
+        return tuple(given)
+    schema = getattr(op, "_schema", None)
+    if schema is not None:
+        return tuple(a.name for a in schema.arguments)
+    target = op
+    if isinstance(op, type) and issubclass(op, torch.autograd.Function):
+        target = op.forward
+    try:
+        parameters = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: positional names arg0, arg1, ...
+        return ()
+    if target is not op and not _new_style(op) and parameters:
+        parameters = parameters[1:]  # forward(ctx, ...)
+    return tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _new_style(cls):
+    from mixedad._hooks.function_apply import has_setup_context
+
+    return has_setup_context(cls)

@@ -1,0 +1,120 @@
+"""Tangent rules that users register for ops mixedad does not know: :func:`register`."""
+import functools
+import warnings
+import weakref
+
+import torch
+
+from mixedad._hooks.function_apply import direct
+from mixedad.op_rules._custom_functions import verdict
+from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, arguments_of, pack
+
+__all__ = ["register", "unregister"]
+
+_WARNED = weakref.WeakSet()
+
+
+def _ops(op):
+    """The table keys for ``op``: an op packet registers each of its overloads too."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [op, *(getattr(op, name) for name in op.overloads())]
+    return [op]
+
+
+def register(op, *, arguments=None, reason=None):
+    """Give ``op`` a tangent rule that mixedad's forward pass uses in place of PyTorch's formula.
+
+    Use it as a decorator beside the rule::
+
+        @mixedad.op_rules.register(torch.ops.mylib.upfirdn2d)
+        def upfirdn2d_tangent(op):
+            out = op.primal()                                   # the op on the primals
+            tangent = op.primal(x=op.tangents["x"])             # linear in x: the op on x's tangent
+            return out, tangent
+
+    Args:
+        op: what G calls: a torch function (``torch.erf``, ``F.gelu``, ``torch.Tensor.erf``), an
+            op of a ``torch.library`` namespace (``torch.ops.mylib.upfirdn2d``, or one overload),
+            or a custom ``autograd.Function`` class you cannot edit.
+        arguments: keyword-only; the names of the op's positional arguments, in order, where
+            mixedad cannot read them (builtins). By default they come from the op's schema or
+            signature (a Function's ``forward``, without ``ctx``).
+        reason: keyword-only; a few words for :func:`mixedad.tangent_report` (default: the rule's
+            qualified name).
+
+    The rule is called as ``rule(op)`` with an :class:`~mixedad.op_rules.OpCall`: ``op.primals``
+    and ``op.tangents`` hold the arguments by name (tangents None where an argument carries
+    none), ``op.primal(**replaced)`` calls the op plainly on the primals, with some arguments
+    replaced by name. It returns ``(output, output_tangent)``, the tangent with the output's
+    structure (None for an output leaf without one), or ``NotImplemented`` to decline a call
+    (the op then takes the path it would have taken without the rule). It is called only for
+    calls where some argument carries a tangent and grad is enabled.
+
+    The first time a rule is used, mixedad checks it against the op's own backward with the
+    dot-product test on random t, u: :math:`\\langle \\mathrm{rule}(t), u\\rangle = \\langle t,
+    J^\\top u\\rangle`. A rule that disagrees is not used: mixedad warns, naming both numbers,
+    and differentiates the op's backward instead (reverse mode is the meaning). An op without a
+    backward cannot be checked; its rule is then trusted.
+
+    Returns:
+        A decorator that registers the rule and returns it unchanged. Registering again replaces
+        the rule (mixedad's own included); :func:`unregister` removes it.
+    """
+    keys = _ops(op)
+
+    def decorate(rule):
+        if not callable(rule):
+            raise TypeError(f"register({op!r}): expected a function rule(op), got {type(rule).__name__}.")
+        owner = getattr(rule, "__qualname__", repr(rule))
+        names = arguments_of(op, arguments)
+        for key in keys:
+            TABLE[key] = Rule(Path.USER, _checked_first(rule), reason or owner, names, owner)
+        return rule
+
+    return decorate
+
+
+def unregister(op):
+    """Remove the rule registered for ``op`` (mixedad's own rule for it is not restored)."""
+    for key in _ops(op):
+        TABLE.pop(key, None)
+
+
+def _checked_first(rule):
+    """``rule`` wrapped so that the first call checks it against the op's backward."""
+
+    @functools.wraps(rule)
+    def apply(op):
+        found = _check(rule, op)  # probed once per rule, then remembered
+        if not found.jvp_agrees:
+            _warn(rule, op, found.numbers)
+            from mixedad.op_rules._local import local_rule
+
+            op.reroute(Path.LOCAL, f"the user's rule {rule.__qualname__} disagrees with the op's backward")
+            return local_rule(op)
+        return rule(op)
+
+    return apply
+
+
+def _check(rule, op):
+    """The dot-product test of ``rule`` against the op's backward, on this call's arguments."""
+
+    def pushed(*args, **kwargs):
+        result = rule(OpCall(op.func, op.name, op.call, args, kwargs, op._names))
+        return NotImplemented if result is NotImplemented else pack(*result)
+
+    with direct():  # inside the dispatch, which runs ops plainly: the op's Functions as torch defines them
+        return verdict(rule, op.func, op.args, op.kwargs, with_jvp=True, jvp=pushed)
+
+
+def _warn(rule, op, numbers):
+    if rule in _WARNED:
+        return
+    _WARNED.add(rule)
+    lhs, rhs = numbers
+    warnings.warn(
+        f"{op.call}: the tangent rule {rule.__qualname__} registered for {op.name} disagrees with the op's "
+        f"backward: the dot-product test on random t, u gives <rule(t), u> = {lhs:.6g} but <t, backward(u)> "
+        f"= {rhs:.6g}. Reverse mode is the meaning, so mixedad differentiates the op's backward instead "
+        f"(the local double-VJP rule). Fix the rule, or unregister it.", RuntimeWarning, stacklevel=2)
