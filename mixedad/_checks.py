@@ -9,7 +9,7 @@ import operator
 
 import torch
 
-from mixedad._frontend.nesting import check_not_nested
+from mixedad._hooks.dual_level import dual_level_open, tangent_of
 from mixedad._hooks.functorch import in_functorch_transform
 from mixedad._hooks.pytree import describe, keystr, tree_flatten, tree_flatten_with_path
 
@@ -191,15 +191,12 @@ def check_no_forward_tangents(call, tensors):
     Only possible inside the caller's ``forward_ad.dual_level()``; PyTorch cannot nest forward
     mode, so mixedad cannot carry such tangents through its own pass.
     """
-    from torch.autograd import forward_ad
-
-    check_not_nested(call)
     # torch.func.jvp opens a dual level too, and mixedad composes with it (its own pass then
     # runs as a nested torch.func.jvp): only a plain dual_level() outside transforms is refused.
-    if forward_ad._current_level < 0 or in_functorch_transform():
+    if not dual_level_open() or in_functorch_transform():
         return
     for t in tensors:
-        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+        if isinstance(t, torch.Tensor) and tangent_of(t) is not None:
             raise ValueError(
                 f"{call}: an input is a forward-mode dual tensor of the caller's dual_level(). mixedad "
                 f"cannot propagate forward-mode tangents through its result (PyTorch cannot nest forward "

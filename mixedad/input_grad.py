@@ -7,6 +7,7 @@ from mixedad._backend import check_sum_over_codes, contract_f_with_tangent, f_co
 from mixedad._entry import public_call
 from mixedad._frontend.state import Snapshot
 from mixedad._entry import eager
+from mixedad._frontend.nesting import check_not_nested
 from mixedad._frontend.tangents import push_tangent
 
 CALL = "input_grad(f, G, z, y)"
@@ -79,6 +80,7 @@ def input_grad(f, G, z, y, *, chunk_size=None, strategy="auto"):
     """
     zs, y_leaves, y_spec, _ = _checks.mixed_args(CALL, f, G, z, y, None)
     _checks.check_z_constant(CALL, zs)
+    check_not_nested(CALL)
     _checks.check_no_forward_tangents(CALL, [*zs, *y_leaves])
     _checks.check_strategy(CALL, strategy)
     G = eager(G)

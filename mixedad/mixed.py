@@ -9,6 +9,7 @@ from mixedad.op_rules import UnderTransformError
 from mixedad._backend import contract_f_with_tangent, f_cotangent
 from mixedad._frontend.state import Snapshot
 from mixedad._entry import eager
+from mixedad._frontend.nesting import check_not_nested
 from mixedad._frontend.tangents import push_tangent
 
 
@@ -85,6 +86,7 @@ def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
 
 def _mixed_grad(call, f, G, z, y, v, create_graph, strategy):
     zs, y_leaves, y_spec, vs = _checks.mixed_args(call, f, G, z, y, v)
+    check_not_nested(call)
     _checks.check_no_forward_tangents(call, [*zs, *y_leaves, *vs])
     _checks.check_strategy(call, strategy)
     _checks.check_v_constant(call, vs, create_graph)

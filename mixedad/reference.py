@@ -7,7 +7,7 @@ with G's depth; use them to verify mixedad's results, not in production.
 import torch
 
 from mixedad import _checks
-from mixedad.op_rules._double_vjp import once_differentiable_node
+from mixedad._hooks.autograd_graph import once_differentiable_node
 from mixedad._entry import public_call
 from mixedad._hooks.pytree import tree_unflatten
 from mixedad._entry import frozen

@@ -153,17 +153,18 @@ def test_eager_penalties_then_an_in_place_op_and_number_like_weights():
 
 
 def test_a_failure_from_a_compiled_part_says_what_to_do():
-    """Stands in for aot_autograd's refusal of double backward (compiling for real takes minutes)."""
+    """Stands in for aot_autograd's Function, named as torch names it, which refuses double backward
+    (compiling for real takes minutes). mixedad finds it in the graph, not in the error's text."""
 
-    class CompiledLike(torch.autograd.Function):
+    class CompiledFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
             return x * 2
 
         @staticmethod
         def backward(ctx, grad):
-            raise RuntimeError("torch.compile with aot_autograd does not currently support double backward")
+            raise RuntimeError("double backward is not supported here")
 
-    G = lambda z: CompiledLike.apply(z).sin()  # noqa: E731
+    G = lambda z: CompiledFunction.apply(z).sin()  # noqa: E731
     with pytest.raises(RuntimeError, match=r"mixed_grad\(f, G, z, y\): .*torch.compile'd submodule inside G.*_orig_mod"):
         mixedad.mixed_grad(cubic, G, torch.randn(3, dtype=F64), torch.randn(3, dtype=F64))

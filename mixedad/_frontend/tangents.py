@@ -44,7 +44,7 @@ from mixedad._frontend.grad_mode import ReadGradMode
 from mixedad._frontend.nesting import one_pass
 from mixedad._frontend.state import Snapshot
 from mixedad._hooks.attention_backends import differentiable_attention
-from mixedad._hooks.dual_level import raised_entering_a_dual_level
+from mixedad._hooks.dual_level import dual_level_open, raised_entering_a_dual_level
 from mixedad._hooks.function_apply import routing
 from mixedad._hooks.functorch import in_functorch_transform
 from mixedad._hooks.module_hooks import backward_hooks
@@ -134,7 +134,7 @@ def _forward(call, G, zs, vs, rules):
         return list(g), list(g_dot), spec[0]
     with contextlib.ExitStack() as stack:
         stack.enter_context(FORWARD_PASS_LOCK)
-        if forward_ad._current_level >= 0:
+        if dual_level_open():
             # PyTorch has one forward-AD level: inside the caller's own dual_level() neither dual
             # tensors nor torch.func.jvp can open another.
             raise NeedsWholeG("called inside an open forward_ad.dual_level(), and PyTorch cannot nest "

@@ -19,6 +19,11 @@ from torch.autograd import forward_ad
 from mixedad._hooks.pytree import tree_leaves
 
 
+def dual_level_open():
+    """Whether a forward-AD level is open in the process (the caller's, or a mixedad pass's)."""
+    return forward_ad._current_level >= 0
+
+
 def unpack(x):
     """(primal, tangent or None) of the tensor ``x`` at the innermost dual level."""
     return torch._unpack_dual(x, forward_ad._current_level)

@@ -30,12 +30,11 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from torch.autograd import forward_ad
 from torch.overrides import TorchFunctionMode
 
 from mixedad._frontend.grad_mode import no_graph, run_as_constant
 from mixedad._hooks.checkpoint import CheckpointFunction, run_directly
-from mixedad._hooks.dual_level import any_tangent
+from mixedad._hooks.dual_level import any_tangent, dual, dual_level_open, unpack
 from mixedad._hooks.function_apply import direct, has_own_jvp, has_own_vmap, has_setup_context, original_apply
 from mixedad._hooks.functorch import under_vmap
 from mixedad._hooks.module_hooks import BackwardHookFunction
@@ -45,7 +44,6 @@ from mixedad.op_rules._errors import FunctionUnderTransformError, NeedsWholeG
 from mixedad.op_rules._local import local_jvp
 from mixedad.op_rules._table import Path
 
-from mixedad._hooks.dual_level import dual, unpack
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad._hooks.tensor_kinds import holds_values
 from mixedad._frontend.state import RngState
@@ -113,7 +111,7 @@ def _has_data(tree):
 
 def _carries_derivative(leaf):
     """Whether an input takes part in the derivative: a tangent at mixedad's level, or requires_grad."""
-    if forward_ad._current_level >= 0:
+    if dual_level_open():
         return unpack(leaf)[1] is not None
     return leaf.requires_grad
 
@@ -132,7 +130,7 @@ def _probe(apply, args, kwargs, with_jvp, jvp):
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided:
             continue
-        primal = unpack(leaf)[0] if forward_ad._current_level >= 0 else leaf
+        primal = unpack(leaf)[0] if dual_level_open() else leaf
         if _carries_derivative(leaf) and primal.is_floating_point():
             base = primal.detach().requires_grad_()
             bases.append(base)

@@ -16,30 +16,17 @@ path; mixedad raises :class:`OpRuleError` instead of returning a number.
 """
 import torch
 
+from mixedad._hooks.autograd_graph import compiled_region, once_differentiable_node
 from mixedad.op_rules._errors import OpRuleError
-
-
-def once_differentiable_node(roots):
-    """The name of a ``@once_differentiable`` error node in the graphs of ``roots``, or None."""
-    seen, stack = set(), [t.grad_fn for t in roots]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ in ("Error", "DelayedError"):
-            return type(node).__name__
-        stack.extend(n for n, _ in node.next_functions)
-    return None
 
 
 def _subject(name):
     return "an op in G" if name == "G" else name
 
 
-def _hint(error):
-    """Advice for failures whose cause we can name."""
-    if "torch.compile" in str(error) or "CompiledFunction" in str(error):
+def _hint(outputs):
+    """Advice for failures whose cause we can name from the graph."""
+    if compiled_region(outputs):
         return (" A torch.compile'd submodule inside G has no double backward; mixedad unwraps a "
                 "compiled G itself, but not compiled parts inside it: pass G with those parts eager "
                 "(module._orig_mod), or compile after computing the derivatives.")
@@ -84,7 +71,7 @@ def double_vjp(call, name, outputs, inputs, tangents, *, at=None):
         raise OpRuleError(
             f"{call}: {_subject(name)} has no usable forward-mode formula, and its backward failed too, so "
             f"mixedad cannot push a tangent through it ({error}). Give it a forward-mode rule (a jvp "
-            f"staticmethod for a custom autograd.Function)." + _hint(error)
+            f"staticmethod for a custom autograd.Function)." + _hint(outputs)
         ) from error
     pairs = [(p, t) for p, t in zip(pulled, tangents) if p is not None]
     live = [(p, t) for p, t in pairs if p.requires_grad]
@@ -114,7 +101,7 @@ def double_vjp(call, name, outputs, inputs, tangents, *, at=None):
             raise OpRuleError(
                 f"{call}: {_subject(name)} has no usable forward-mode formula, and its backward cannot be "
                 f"differentiated ({error}). Give it a forward-mode rule (a jvp staticmethod for a "
-                f"custom autograd.Function)." + _hint(error)
+                f"custom autograd.Function)." + _hint(outputs)
             ) from error
     if live and all(r is None for r in results) and any(bool(p.ne(0).any()) for p, _ in live):
         raise OpRuleError(  # J^T u is nonzero but does not depend on u: the backward cut it off

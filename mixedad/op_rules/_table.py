@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 
 from mixedad._hooks.dual_level import dual, split
+from mixedad._hooks.function_apply import has_setup_context
+from mixedad._hooks.library_ops import schema_argument_names
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 
 __all__ = ["Path", "Rule", "OpCall", "TABLE", "defrule"]
@@ -169,9 +171,9 @@ def arguments_of(op, given=None):
     """The names of ``op``'s positional arguments: ``given``, or read from its schema or signature."""
     if given is not None:
         return tuple(given)
-    schema = getattr(op, "_schema", None)
-    if schema is not None:
-        return tuple(a.name for a in schema.arguments)
+    names = schema_argument_names(op)
+    if names is not None:
+        return names
     target = op
     if isinstance(op, type) and issubclass(op, torch.autograd.Function):
         target = op.forward
@@ -185,6 +187,4 @@ def arguments_of(op, given=None):
 
 
 def _new_style(cls):
-    from mixedad._hooks.function_apply import has_setup_context
-
     return has_setup_context(cls)

@@ -3,22 +3,15 @@ import functools
 import warnings
 import weakref
 
-import torch
 
 from mixedad._hooks.function_apply import direct
+from mixedad._hooks.library_ops import registry_keys
 from mixedad.op_rules._custom_functions import verdict
 from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, arguments_of, pack
 
 __all__ = ["register", "unregister"]
 
 _WARNED = weakref.WeakSet()
-
-
-def _ops(op):
-    """The table keys for ``op``: an op packet registers each of its overloads too."""
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        return [op, *(getattr(op, name) for name in op.overloads())]
-    return [op]
 
 
 def register(op, *, arguments=None, reason=None):
@@ -60,15 +53,15 @@ def register(op, *, arguments=None, reason=None):
         A decorator that registers the rule and returns it unchanged. Registering again replaces
         the rule (mixedad's own included); :func:`unregister` removes it.
     """
-    keys = _ops(op)
+    keys = registry_keys(op)
 
     def decorate(rule):
         if not callable(rule):
             raise TypeError(f"register({op!r}): expected a function rule(op), got {type(rule).__name__}.")
         owner = getattr(rule, "__qualname__", repr(rule))
-        names = arguments_of(op, arguments)
+        checked = _checked_first(rule)
         for key in keys:
-            TABLE[key] = Rule(Path.USER, _checked_first(rule), reason or owner, names, owner)
+            TABLE[key] = Rule(Path.USER, checked, reason or owner, arguments_of(key, arguments), owner)
         return rule
 
     return decorate
@@ -76,7 +69,7 @@ def register(op, *, arguments=None, reason=None):
 
 def unregister(op):
     """Remove the rule registered for ``op`` (mixedad's own rule for it is not restored)."""
-    for key in _ops(op):
+    for key in registry_keys(op):
         TABLE.pop(key, None)
 
 

@@ -1,0 +1,169 @@
+"""Users' tangent rules: ``mixedad.op_rules.register`` is used, reported and checked against the backward."""
+import warnings
+
+import pytest
+import torch
+
+import mixedad
+from mixedad.op_rules import OpRuleError, Path, register, unregister
+from mixedad.reference import double_backward_mixed_grad
+from mixedad.testing import assert_close
+
+F64 = torch.float64
+
+
+def f(y, g):
+    return ((y + g) ** 3).sum()
+
+
+def problem(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    W1, W2 = (torch.randn(5, 5, generator=gen, dtype=F64) / 2 for _ in range(2))
+    z, y, v = (torch.randn(4, 5, generator=gen, dtype=F64) for _ in range(3))
+    return W1, W2, z, y, v
+
+
+class Softsign(torch.autograd.Function):
+    """A Function the user cannot edit: no jvp, so mixedad would take the local rule."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x / (1 + x.abs())
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g / (1 + x.abs()) ** 2
+
+
+class Softsign2(Softsign):
+    """The same op under another class, so its rule is checked afresh."""
+
+
+@pytest.fixture
+def registered():
+    """Register rules through this fixture: they are removed after the test, whatever happens."""
+    ops = []
+
+    def add(op, **options):
+        ops.append(op)
+        return register(op, **options)
+
+    yield add
+    for op in ops:
+        unregister(op)
+
+
+def test_a_rule_for_a_custom_function_is_used_reported_and_exact(registered):
+    W1, W2, z, y, v = problem()
+    calls = []
+
+    @registered(Softsign)
+    def softsign_tangent(op):
+        calls.append(op.name)
+        x, dx = op.primals["x"], op.tangents["x"]
+        return op.primal(), dx / (1 + x.abs()) ** 2
+
+    def G(z):
+        return Softsign.apply(z @ W1) @ W2
+
+    report = mixedad.tangent_report(G, z, v)
+    assert report.ops(Path.USER) == ["Softsign (custom Function)"]
+    assert "softsign_tangent" in str(report)
+    assert_close(mixedad.mixed_grad(f, G, z, y, v, strategy="forward"), double_backward_mixed_grad(f, G, z, y, v))
+    assert calls
+
+
+def test_a_rule_for_a_torch_function_replaces_pytorchs_formula_until_unregistered(registered):
+    W1, W2, z, y, v = problem(1)
+
+    @registered(torch.erf, arguments=("input",))
+    def erf_tangent(op):
+        x = op.primals["input"]
+        return op.primal(), op.tangents["input"] * 2 / torch.pi ** 0.5 * torch.exp(-x * x)
+
+    def G(z):
+        return torch.erf(z @ W1) @ W2
+
+    assert mixedad.tangent_report(G, z, v).ops("user rule") == ["torch.erf"]
+    assert_close(mixedad.mixed_grad(f, G, z, y, v), double_backward_mixed_grad(f, G, z, y, v))
+    unregister(torch.erf)
+    assert mixedad.tangent_report(G, z, v).ops("user rule") == []
+    assert "torch.erf" in mixedad.tangent_report(G, z, v).ops("forward AD")
+
+
+def test_a_rule_for_a_library_op_is_used_instead_of_the_local_rule(registered):
+    W1, W2, z, y, v = problem(2)
+
+    @torch.library.custom_op("mixedad_test::cube", mutates_args=())
+    def cube(x: torch.Tensor) -> torch.Tensor:
+        return x ** 3
+
+    cube.register_autograd(lambda ctx, g: g * 3 * ctx.x ** 2,
+                           setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]))
+
+    def G(z):
+        return torch.ops.mixedad_test.cube(torch.tanh(z @ W1)) @ W2
+
+    assert "mixedad_test.cube" in mixedad.tangent_report(G, z, v).ops("local double-VJP")
+
+    @registered(torch.ops.mixedad_test.cube)
+    def cube_tangent(op):
+        x = op.primals["x"]
+        return op.primal(), 3 * x ** 2 * op.tangents["x"]
+
+    report = mixedad.tangent_report(G, z, v)
+    assert report.ops("user rule") and not report.ops("local double-VJP")
+    assert_close(mixedad.mixed_grad(f, G, z, y, v, strategy="forward"), double_backward_mixed_grad(f, G, z, y, v))
+
+
+def test_a_wrong_rule_warns_with_both_numbers_and_the_backward_gives_the_answer(registered):
+    W1, W2, z, y, v = problem(3)
+
+    @registered(Softsign2)
+    def twice_too_big(op):
+        x, dx = op.primals["x"], op.tangents["x"]
+        return op.primal(), 2 * dx / (1 + x.abs()) ** 2
+
+    def G(z):
+        return Softsign2.apply(z @ W1) @ W2
+
+    with pytest.warns(RuntimeWarning, match=r"twice_too_big registered for .* disagrees with the op's backward: .* = "):
+        ours = mixedad.mixed_grad(f, G, z, y, v)
+    assert_close(ours, double_backward_mixed_grad(f, G, z, y, v))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        report = mixedad.tangent_report(G, z, v)
+    assert report.ops("local double-VJP") == ["Softsign2 (custom Function)"]
+
+
+def test_a_rule_that_declines_leaves_the_op_its_usual_path(registered):
+    W1, W2, z, y, v = problem(4)
+
+    @registered(torch.sin, arguments=("input",))
+    def only_for_float32(op):
+        return NotImplemented if op.primals["input"].dtype == F64 else (op.primal(), None)
+
+    def G(z):
+        return torch.sin(z @ W1) @ W2
+
+    assert "torch.sin" in mixedad.tangent_report(G, z, v).ops("forward AD")
+    assert_close(mixedad.mixed_grad(f, G, z, y, v), double_backward_mixed_grad(f, G, z, y, v))
+
+
+def test_a_rule_returning_the_wrong_shape_of_result_is_a_mixedad_error(registered):
+    W1, W2, z, y, v = problem(5)
+
+    @registered(torch.cos, arguments=("input",))
+    def forgot_the_tangent(op):
+        return op.primal()
+
+    with pytest.raises(OpRuleError, match=r"forgot_the_tangent for torch.cos returned Tensor; a rule returns "
+                                          r"\(output, output_tangent\)"):
+        mixedad.mixed_grad(f, lambda z: torch.cos(z @ W1) @ W2, z, y, v)
+
+
+def test_register_refuses_a_rule_that_is_not_callable():
+    with pytest.raises(TypeError, match="expected a function rule"):
+        register(torch.tan)(42)
