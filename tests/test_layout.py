@@ -1,0 +1,120 @@
+"""The house: layers as folders, one test file per module, torch's internals reached only through _hooks.
+
+Layers, bottom up: ``mixedad/_hooks/`` (every reach into torch's private API), ``mixedad/op_rules/``
+(the rule table and one module per rule family), ``mixedad/_frontend/`` (the tangent pass),
+``mixedad/_backend.py`` (reverse mode), and the public modules.
+"""
+import ast
+import io
+import json
+import pathlib
+import re
+import tokenize
+
+import pytest
+
+import mixedad
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "mixedad"
+#: Modules whose tests live in a file not named after them.
+TESTED_IN = {
+    "mixedad/__init__.py": "tests/test_layout.py",
+    "mixedad/__main__.py": "tests/test_cli.py",
+    "mixedad/demo.py": "tests/test_cli.py",
+    "mixedad/_entry.py": "tests/test_contexts.py",
+    "mixedad/mixed.py": "tests/test_mixed.py",
+    "mixedad/op_rules/__init__.py": "tests/op_rules/test_dispatch.py",
+    "mixedad/op_rules/_user.py": "tests/op_rules/test_register.py",
+    "mixedad/benchmark.py": "tests/test_benchmarks.py",
+    "mixedad/_hooks/__init__.py": "tests/test_layout.py",
+    "mixedad/_frontend/__init__.py": "tests/test_layout.py",
+}
+ZOO_TESTS = "tests/test_zoo.py"
+
+
+def _modules():
+    return sorted(p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py"))
+
+
+def _expected_test(module):
+    if module in TESTED_IN:
+        return TESTED_IN[module]
+    if module.startswith("mixedad/zoo/"):
+        return ZOO_TESTS
+    folder, name = module.rsplit("/", 1)
+    tests = "tests" + folder[len("mixedad"):]
+    return f"{tests}/test_{name.lstrip('_')}"
+
+
+@pytest.mark.parametrize("module", _modules())
+def test_every_module_has_its_test_file(module):
+    assert (ROOT / _expected_test(module)).exists(), f"{module}: expected its tests in {_expected_test(module)}"
+
+
+def test_the_package_shows_its_layers():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert {"_hooks", "op_rules", "_frontend", "zoo"} <= folders
+    assert (PACKAGE / "_backend.py").exists()
+    private_top = sorted(p.name for p in PACKAGE.glob("_*.py") if not p.name.startswith("__"))
+    assert private_top == ["_backend.py", "_checks.py", "_entry.py"], private_top
+
+
+def _code_only(path):
+    """The module's source without comments and strings (docstrings and messages may name torch internals)."""
+    out = []
+    for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if token.type not in (tokenize.COMMENT, tokenize.STRING):
+            out.append(token.string)
+    return " ".join(out)
+
+
+PRIVATE_TORCH = re.compile(r"torch \. _(?!_)\w+|\b_C\b|_pytree|_python_dispatch|_SingleLevelFunction|_pop_mode_temporarily"
+                           r"|_orig_mod|_torchdynamo|_current_level|_unpack_dual|_make_dual")
+
+
+@pytest.mark.parametrize("module", [m for m in _modules() if not m.startswith("mixedad/_hooks/")])
+def test_torch_internals_are_reached_only_through_hooks(module):
+    code = _code_only(ROOT / module)
+    found = sorted(set(PRIVATE_TORCH.findall(code)))
+    assert not found, f"{module} reaches torch internals {found}; move that into mixedad/_hooks/ with a pin test"
+
+
+@pytest.mark.parametrize("hook", sorted(p.name for p in (PACKAGE / "_hooks").glob("[a-z]*.py")))
+def test_every_hook_states_what_it_relies_on_and_is_pinned(hook):
+    doc = ast.get_docstring(ast.parse((PACKAGE / "_hooks" / hook).read_text())) or ""
+    if hook not in ("refcount.py",):  # refcount holds no torch assumption
+        assert "relies on" in doc, f"_hooks/{hook}: its docstring must say what torch behaviour it relies on"
+    assert (ROOT / "tests" / "_hooks" / f"test_{hook}").exists()
+
+
+def _imports_of_public_names_only(source):
+    tree = ast.parse(source)
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mixedad"):
+            if any(part.startswith("_") for part in node.module.split(".")):
+                bad.append(node.module)
+            bad += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+        if isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if a.name.startswith("mixedad") and "._" in a.name]
+    return bad
+
+
+@pytest.mark.parametrize("script", sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "benchmarks").glob("*.py")))
+def test_benchmarks_import_only_public_names(script):
+    assert not _imports_of_public_names_only((ROOT / script).read_text())
+
+
+@pytest.mark.parametrize("notebook", sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "notebooks").glob("*.ipynb")))
+def test_notebooks_import_only_public_names(notebook):
+    cells = json.loads((ROOT / notebook).read_text())["cells"]
+    source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    source = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+    assert not _imports_of_public_names_only(source)
+
+
+def test_the_public_surface_is_all():
+    assert mixedad.__all__ and all(hasattr(mixedad, name) for name in mixedad.__all__)
+    assert all(not name.startswith("_") or name == "__version__" for name in mixedad.__all__)
+    assert "register" in mixedad.op_rules.__all__ and all(hasattr(mixedad.op_rules, n) for n in mixedad.op_rules.__all__)
