@@ -402,3 +402,43 @@ def test_cached_backward_second_pass_sees_the_buffers_of_the_first(kind):
         assert_close(p.grad, q.grad, what=name)
     for (name, ours), (_, theirs) in zip(net.named_buffers(), naive.named_buffers()):
         assert torch.equal(ours, theirs), name
+
+
+def test_a_slow_whole_g_fallback_in_one_thread_does_not_hold_up_forward_passes_in_others():
+    """The forward-pass lock covers the dual-level block only, not the fallback's reverse passes."""
+    import threading
+    import warnings
+
+    G_inner, z, y, v = problem()
+    inside, other_done = threading.Event(), threading.Event()
+    results, errors = [], []
+
+    def G_with_a_hook(z):  # a gradient hook: the whole-G fallback takes this G
+        h = G_inner(z)
+        if h.requires_grad and not inside.is_set():
+            h.register_hook(lambda g: g)
+            inside.set()
+            assert other_done.wait(20), "another thread's forward pass waited for this fallback"
+        return h
+
+    def other():
+        try:
+            assert inside.wait(20)
+            results.append(mixedad.mixed_grad(cubic, G_inner, z, y, v, strategy="forward"))
+        except Exception as error:  # noqa: BLE001  (reported below)
+            errors.append(error)
+        finally:
+            other_done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            slow = mixedad.mixed_grad(cubic, G_with_a_hook, z, y, v)
+    finally:
+        thread.join()
+    assert not errors, errors
+    expected = double_backward_mixed_grad(cubic, G_inner, z, y, v)
+    assert_close(results[0], expected)
+    assert_close(slow, expected)

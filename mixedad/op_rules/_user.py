@@ -52,6 +52,35 @@ def register(op, *, arguments=None, reason=None):
     Returns:
         A decorator that registers the rule and returns it unchanged. Registering again replaces
         the rule (mixedad's own included); :func:`unregister` removes it.
+
+    Example:
+        A third-party Function without ``jvp`` (mixedad would otherwise differentiate its
+        backward with the local rule):
+
+        >>> import torch, mixedad
+        >>> class Softsign(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x / (1 + x.abs())
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return g / (1 + x.abs()) ** 2
+        >>> @mixedad.op_rules.register(Softsign)
+        ... def softsign_tangent(op):
+        ...     x, dx = op.primals["x"], op.tangents["x"]
+        ...     return op.primal(), dx / (1 + x.abs()) ** 2
+        >>> G = lambda z: Softsign.apply(z)
+        >>> z, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+        >>> mixedad.tangent_report(G, z).ops("user rule")
+        ['Softsign (custom Function)']
+        >>> f = lambda y, g: ((y + g) ** 3).sum()
+        >>> ours = mixedad.mixed_grad(f, G, z, y, torch.ones_like(z))
+        >>> reference = mixedad.reference.double_backward_mixed_grad(f, G, z, y, torch.ones_like(z))
+        >>> bool(torch.allclose(ours, reference))
+        True
+        >>> mixedad.op_rules.unregister(Softsign)
     """
     keys = registry_keys(op)
 
