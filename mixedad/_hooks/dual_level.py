@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from torch.autograd import forward_ad
 
-from mixedad._hooks.pytree import tree_leaves
 
 
 def dual_level_open():
@@ -56,8 +55,62 @@ def tangent_of(x):
 
 
 def any_tangent(tree):
-    """Whether any tensor in the pytree ``tree`` (args and kwargs, say) carries a tangent."""
-    return any(tangent_of(leaf) is not None for leaf in tree_leaves(tree))
+    """Whether any tensor in ``tree`` (args and kwargs, say: tuples, lists and dicts) carries a tangent.
+
+    Walked by hand rather than with pytree: the dispatch asks this for every op of every pass.
+    """
+    if isinstance(tree, torch.Tensor):
+        return tangent_of(tree) is not None
+    if isinstance(tree, (list, tuple)):
+        return any(any_tangent(leaf) for leaf in tree)
+    if isinstance(tree, dict):
+        return any(any_tangent(leaf) for leaf in tree.values())
+    return False
+
+
+def any_tangent_in(args, kwargs):
+    """Whether any argument of a call carries a tangent (the dispatch's hot path)."""
+    for arg in args:
+        if any_tangent(arg):
+            return True
+    for arg in kwargs.values():
+        if any_tangent(arg):
+            return True
+    return False
+
+
+def split_args(args):
+    """``(primals, tangents)`` of a call's positional arguments, as lists; see :func:`split_tree`."""
+    primals, tangents = [], []
+    for arg in args:
+        if type(arg) is torch.Tensor and arg.layout == torch.strided:
+            primal, tangent = split(arg)
+        elif isinstance(arg, (torch.Tensor, list, tuple, dict)):
+            primal, tangent = split_tree(arg)
+        else:
+            primal, tangent = arg, None
+        primals.append(primal)
+        tangents.append(tangent)
+    return primals, tangents
+
+
+def split_tree(tree):
+    """``(primals, tangents)``: ``tree`` with each strided tensor split, containers rebuilt alike.
+
+    Lists, plain tuples and dicts are walked; anything else is a leaf with no tangent.
+    """
+    if isinstance(tree, torch.Tensor):
+        if isinstance(tree, nn.Parameter) or tree.layout != torch.strided:
+            return tree, None
+        return split(tree)
+    kind = type(tree)
+    if kind is list or kind is tuple:
+        parts = [split_tree(leaf) for leaf in tree]
+        return kind(p for p, _ in parts), kind(t for _, t in parts)
+    if kind is dict:
+        parts = {k: split_tree(v) for k, v in tree.items()}
+        return {k: p for k, (p, _) in parts.items()}, {k: t for k, (_, t) in parts.items()}
+    return tree, None
 
 
 def raised_entering_a_dual_level(error):

@@ -57,7 +57,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from mixedad._frontend.grad_mode import GRAD_MODE_SETTERS, no_graph, run_as_constant
 from mixedad._hooks.composites import COMPOSITES, CompositeReentered, run_inside
-from mixedad._hooks.dual_level import any_tangent
+from mixedad._hooks.dual_level import any_tangent, any_tangent_in
 from mixedad._hooks.function_apply import original_apply
 from mixedad._hooks.functorch import in_functorch_transform
 from mixedad._hooks.library_ops import is_library_op
@@ -148,6 +148,7 @@ class OpRules(TorchFunctionMode):
         self.attention = Path.ATTENTION not in skip
         self.skip = skip
         self.failed = FAILED if self.local else {}
+        self._rules = {}  # func -> its rule in this pass (TABLE and the skips do not change during one)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -175,34 +176,47 @@ class OpRules(TorchFunctionMode):
 
     def rule_for(self, func):
         """The rule ``func`` takes in this pass, or None for PyTorch's formula."""
+        try:
+            return self._rules[func]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable callable: looked up each time
+            return self._find_rule(func)
+        rule = self._rules[func] = self._find_rule(func)
+        return rule
+
+    def _find_rule(self, func):
         rule = TABLE.get(func)
         if rule is None and self.local and is_library_op(func):
             rule = LIBRARY_OP_RULE
         return None if rule is None or rule.path in self.skip else rule
 
     def _dispatch(self, func, args, kwargs):
-        if not any_tangent((args, kwargs)):
-            return func(*args, **kwargs)  # the plain call: no tangent to push
         rule = self.rule_for(func)
-        if rule is not None:
-            result = self.apply(rule, func, args, kwargs)
-            if result is not NotImplemented:
-                return result
-        if func in self.failed:  # its formula raised before, for these inputs: the local rule
-            rule = failed_rule(func, args, kwargs)
+        if rule is not None or func in self.failed:
+            if not any_tangent_in(args, kwargs):
+                return func(*args, **kwargs)  # the plain call: no tangent to push
             if rule is not None:
                 result = self.apply(rule, func, args, kwargs)
                 if result is not NotImplemented:
                     return result
+            if func in self.failed:  # its formula raised before, for these inputs: the local rule
+                rule = failed_rule(func, args, kwargs)
+                if rule is not None:
+                    result = self.apply(rule, func, args, kwargs)
+                    if result is not NotImplemented:
+                        return result
         try:
             result = func(*args, **kwargs)
         except NotImplementedError as error:  # torch's type for "no forward-AD formula"
+            if not any_tangent((args, kwargs)):
+                raise
             if not self.local:
                 raise NeedsWholeG(f"{op_name(func)} has no forward-mode AD formula here") from error
             remember_failure(func, args, kwargs, error)
             raise RestartPass(op_name(func), error) from error
         except RuntimeError as error:
-            if isinstance(error, OpRuleError) or not self.local:
+            if isinstance(error, OpRuleError) or not self.local or not any_tangent((args, kwargs)):
                 raise
             remember_failure(func, args, kwargs, error)
             raise RestartPass(op_name(func), error) from error

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from mixedad._hooks.dual_level import dual, split
+from mixedad._hooks.dual_level import dual, split_args, split_tree
 from mixedad._hooks.function_apply import has_setup_context
 from mixedad._hooks.library_ops import schema_argument_names
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
@@ -82,10 +82,8 @@ class OpCall:
         self._names = tuple(names)
         self._dispatch = dispatch
         self.rerouted = None
-        leaves, spec = tree_flatten((args, kwargs))
-        split_leaves = [split(x) if _carries(x) else (x, None) for x in leaves]
-        self._primal_args, self._primal_kwargs = tree_unflatten([p for p, _ in split_leaves], spec)
-        tangent_args, tangent_kwargs = tree_unflatten([t for _, t in split_leaves], spec)
+        self._primal_args, tangent_args = split_args(args)
+        self._primal_kwargs, tangent_kwargs = split_tree(kwargs) if kwargs else ({}, {})
         self.primals = self._by_name(self._primal_args, self._primal_kwargs)
         self.tangents = self._by_name(tangent_args, tangent_kwargs)
 
@@ -115,10 +113,6 @@ class OpCall:
         if self._dispatch is None:
             raise RuntimeError(f"{self.name}: this rule cannot re-enter the dispatch here")
         return self._dispatch(func, *args, **kwargs)
-
-
-def _carries(x):
-    return isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) and x.layout == torch.strided
 
 
 def pack(output, tangent):
