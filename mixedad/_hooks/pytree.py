@@ -2,6 +2,10 @@
 
 ``y`` may be a tensor or any nesting of tuples, lists and dicts of tensors; results keep
 that structure.
+
+What this relies on in torch (pinned by ``tests/_hooks/test_pytree.py``): ``torch.utils._pytree``
+flattens tuples, lists and dicts (and registered containers), treats None as a leaf, and
+``keystr`` names a leaf's path as ``['a'][0]``.
 """
 from torch.utils import _pytree
 

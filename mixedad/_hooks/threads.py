@@ -15,6 +15,10 @@ threads share one watch (:class:`mixedad._hooks.refcount.SharedPatch`); the last
 ``threading`` back as it was. A profile function was tried instead: it is exact too but makes a small G's pass 1.7x
 slower.
 
+What this relies on (pinned by ``tests/_hooks/test_threads.py``): Python's ``Thread.start`` calls
+the module global ``threading._start_new_thread`` (Python 3.9 to 3.12) or
+``threading._start_joinable_thread`` (3.13 on) at call time, so replacing the global reaches it.
+
 Threads started inside a custom Function's forward are not counted (:func:`unwatched`): what a
 Function computes inside its forward is not differentiated through; its ``jvp`` or
 ``backward`` is. Not seen: threads of a pool made before the call, and threads started with
