@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from mixedad._hooks.onednn import onednn_linear_op as _onednn_linear_op
+from mixedad.benchmark import frozen_linear_tangent_kernel as _onednn_linear_op
 from mixedad.benchmark import interleaved_times
 from mixedad.testing import max_relative_error
 

@@ -47,6 +47,18 @@ from mixedad.testing import max_relative_error
 __all__ = ["profile", "markdown", "write", "STRATEGIES", "DEFAULT_STRATEGIES", "MODELS"]
 
 
+def frozen_linear_tangent_kernel():
+    """The kernel the frozen-layer rule uses for a float32 ``F.linear`` tangent on the CPU, or None.
+
+    oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``) where this build has it and it
+    computes ``F.linear``; None otherwise (the tangent then takes ``F.linear``). For
+    ``benchmarks/linear_kernels.py``, which times it against ``F.linear``.
+    """
+    from mixedad._hooks.onednn import onednn_linear_op
+
+    return onednn_linear_op()
+
+
 def objective(y, g):
     """The benchmark's cheap f(y, g) = sum((y + g)^3), as in the design notes."""
     return ((y + g) ** 3).sum()

@@ -12,7 +12,7 @@ import time
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from mixedad._hooks.dispatch import TorchDispatchMode
 
 from mixedad._hooks.pytree import tree_leaves
 

@@ -101,7 +101,7 @@ def test_linear_kernels_benchmark_runs(tmp_path, capsys):
     finally:
         sys.path.remove(str(BENCH))
     assert main(["--batch", "4", "--width", "8", "--repeats", "1", "--out", str(tmp_path)]) == 0
-    from mixedad._hooks.onednn import onednn_linear_op as _onednn_linear_op
+    from mixedad.benchmark import frozen_linear_tangent_kernel as _onednn_linear_op
 
     if _onednn_linear_op() is None:
         assert "no usable oneDNN linear kernel" in capsys.readouterr().out
