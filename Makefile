@@ -2,12 +2,13 @@
 #   make demo   create .venv if missing, install mixedad, run the demo
 #   make test   the same with the test extras, then run the whole suite, notebooks included
 #   make test-quick   the suite without the slow OpInfo sweep and the notebooks
+#   make docs   the documentation site (Sphinx) into docs/_build/html
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --constraint constraints.txt
 
-.PHONY: demo test test-quick notebooks install install-test clean
+.PHONY: demo test test-quick docs notebooks install install-test install-docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +21,13 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) --editable '.[test]'
 	touch $@
 
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(PIP) --editable '.[docs]'
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
+install-docs: $(VENV)/.installed-docs
 
 demo: install
 	$(PY) -m mixedad demo
@@ -33,8 +39,12 @@ test: install-test
 test-quick: install-test
 	$(PY) -m pytest -q -m "not slow" tests mixedad
 
+# The documentation site, warnings as errors, into docs/_build/html.
+docs: install-docs
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+
 notebooks: install-test
 	$(PY) scripts/build_notebooks.py --execute
 
 clean:
-	rm -rf $(VENV) *.egg-info build dist
+	rm -rf $(VENV) *.egg-info build dist docs/_build docs/_generated docs/notebooks

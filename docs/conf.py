@@ -1,0 +1,60 @@
+"""Sphinx configuration for mixedad's documentation site (``make docs``)."""
+import pathlib
+import shutil
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import mixedad  # noqa: E402
+from mixedad.op_rules import PATHS, TABLE, op_name  # noqa: E402
+
+project = "mixedad"
+author = "mixedad's maintainers"
+release = version = mixedad.__version__
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+    "myst_nb",
+]
+source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb", ".rst": "restructuredtext"}
+myst_enable_extensions = ["dollarmath", "amsmath"]
+nb_execution_mode = "off"  # the notebooks are run by make test (nbmake); the site shows them as stored
+html_theme = "furo"
+html_title = f"mixedad {release}"
+exclude_patterns = ["_build", "_generated/README.md"]
+autodoc_member_order = "bysource"
+autodoc_default_options = {"members": True, "undoc-members": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_ivar = True  # "Attributes:" as fields, not a second description of each attribute
+myst_heading_anchors = 3
+suppress_warnings = ["myst.header"]  # pages start at level 2 under their title in a few places
+
+
+def _op_paths_table():
+    """The op-paths table, generated from mixedad.op_rules: docs and code cannot drift apart."""
+    ops = {}
+    for func, rule in TABLE.items():
+        ops.setdefault(rule.path, set()).add(op_name(func))
+    rows = ["| path | what it does | ops in the table |", "|---|---|---|"]
+    for path in PATHS:
+        names = ", ".join(f"`{n}`" for n in sorted(ops.get(path, ()))) or "(decided at run time)"
+        rows.append(f"| `{path.value}` | {path.description} | {names} |")
+    return "\n".join(rows) + "\n"
+
+
+def _generate(app):
+    generated = HERE / "_generated"
+    generated.mkdir(exist_ok=True)
+    (generated / "op_paths_table.md").write_text(_op_paths_table())
+    notebooks = HERE / "notebooks"
+    notebooks.mkdir(exist_ok=True)
+    for notebook in sorted((HERE.parent / "notebooks").glob("*.ipynb")):
+        shutil.copyfile(notebook, notebooks / notebook.name)
+
+
+def setup(app):
+    app.connect("builder-inited", _generate)
