@@ -3,12 +3,13 @@
 #   make test   the same with the test extras, then run the whole suite, notebooks included
 #   make test-quick   the suite without the slow OpInfo sweep and the notebooks
 #   make docs   the documentation site (Sphinx) into docs/_build/html
+#   make typecheck   mypy on the public modules
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --constraint constraints.txt
 
-.PHONY: demo test test-quick docs notebooks install install-test install-docs clean
+.PHONY: demo test test-quick typecheck docs notebooks install install-test install-docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +39,10 @@ test: install-test
 # Everything but the slow sweeps (one OpInfo test per op) and the notebooks: for development.
 test-quick: install-test
 	$(PY) -m pytest -q -m "not slow" tests mixedad
+
+# mypy on the public modules (mypy.ini).
+typecheck: install-test
+	$(PY) -m mypy
 
 # The documentation site, warnings as errors, into docs/_build/html.
 docs: install-docs

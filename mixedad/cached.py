@@ -1,4 +1,5 @@
 """A two-pass cached backward for L = g(f(x_1), ..., f(x_n)): one chunk's graph at a time."""
+from typing import Callable, Sequence, Union
 import torch
 
 from mixedad._checks import check_callable, check_chunk_size
@@ -9,7 +10,8 @@ __all__ = ["cached_backward"]
 CALL = "cached_backward(f, inputs, g)"
 
 
-def cached_backward(f, inputs, g, *, chunk_size=1):
+def cached_backward(f: Callable[[torch.Tensor], torch.Tensor], inputs: Union[torch.Tensor, Sequence[torch.Tensor]],
+                    g: Callable[[torch.Tensor], torch.Tensor], *, chunk_size: int = 1) -> torch.Tensor:
     r"""Backpropagate :math:`L = g(f(x_1), \ldots, f(x_n))` holding one chunk's graph at a time.
 
     .. math::
@@ -55,14 +57,16 @@ def cached_backward(f, inputs, g, *, chunk_size=1):
     check_callable(CALL, "g", g)
     step = check_chunk_size(CALL, chunk_size)
     if isinstance(inputs, torch.Tensor):
-        inputs = list(inputs.unbind(0))
-    elif not isinstance(inputs, (list, tuple)):
+        items = list(inputs.unbind(0))
+    elif isinstance(inputs, (list, tuple)):
+        items = list(inputs)
+    else:
         raise TypeError(f"{CALL}: expected inputs to be a list, tuple or tensor, got {type(inputs).__name__}.")
-    if not inputs:
+    if not items:
         raise ValueError(f"{CALL}: expected at least one input, got none.")
-    chunks = [inputs[i : i + step] for i in range(0, len(inputs), step)]
+    chunks = [items[i : i + step] for i in range(0, len(items), step)]
 
-    states = []  # RNG and train-mode buffers before each chunk of pass 1, replayed by pass 2
+    states: list = []  # RNG and train-mode buffers before each chunk of pass 1, replayed by pass 2
     outputs = []
     with torch.no_grad():
         for chunk in chunks:

@@ -4,6 +4,8 @@ import pathlib
 
 import torch
 
+__all__ = ["main", "build_parser", "run_profile"]
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 #: the demo also runs in half precision, which mixedad handles; profiling stays in float32/64
 DEMO_DTYPES = {**DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}

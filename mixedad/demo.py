@@ -15,6 +15,8 @@ from mixedad.profiling import peak_memory, median_time
 from mixedad.reference import double_backward_mixed_grad, finite_difference_mixed_directional
 from mixedad.testing import max_relative_error
 
+__all__ = ["run_demo", "build_problem", "objective", "format_table"]
+
 
 def objective(y, g):
     """The demo's cheap objective, f(y, g) = sum((y + g)^3) + sum(sin(y) g)."""

@@ -21,6 +21,7 @@ Why it is exact: every rank computes the same t and backpropagates 1/W of it. Th
 is 1/W of the whole. :func:`all_reduce_grads` sums both over ranks. When g is a sum over codes,
 the gather can be skipped: ``t = g(dfdz_local, x_share)`` on each rank, then the same all-reduce.
 """
+from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
@@ -38,7 +39,7 @@ def _world(group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def shard(z, *, group=None):
+def shard(z: torch.Tensor, *, group: Any = None) -> torch.Tensor:
     r"""This rank's slice of z's leading dimension (contiguous, sizes differ by at most one).
 
     .. math::
@@ -63,13 +64,13 @@ class _AllGatherCodes(torch.autograd.Function):
         size = torch.tensor([local.shape[0]], device=local.device)
         sizes = [torch.zeros_like(size) for _ in range(world)]
         dist.all_gather(sizes, size, group=group)
-        sizes = [int(s) for s in sizes]
-        padded = local.new_zeros((max(sizes), *local.shape[1:]))
+        counts = [int(s) for s in sizes]
+        padded = local.new_zeros((max(counts), *local.shape[1:]))
         padded[: local.shape[0]] = local
         gathered = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(gathered, padded, group=group)
-        ctx.group, ctx.start, ctx.stop = group, sum(sizes[:rank]), sum(sizes[: rank + 1])
-        return torch.cat([piece[:n] for piece, n in zip(gathered, sizes)])
+        ctx.group, ctx.start, ctx.stop = group, sum(counts[:rank]), sum(counts[: rank + 1])
+        return torch.cat([piece[:n] for piece, n in zip(gathered, counts)])
 
     @staticmethod
     def backward(ctx, grad_all):
@@ -78,7 +79,7 @@ class _AllGatherCodes(torch.autograd.Function):
         return None, grad_all[ctx.start : ctx.stop]
 
 
-def all_gather_codes(local, *, group=None):
+def all_gather_codes(local: torch.Tensor, *, group: Any = None) -> torch.Tensor:
     r"""Concatenate every rank's ``local`` along dim 0, in rank order; differentiable.
 
     .. math::
@@ -95,7 +96,7 @@ def all_gather_codes(local, *, group=None):
     return _AllGatherCodes.apply(group, local)
 
 
-def all_reduce_grads(tensors, *, group=None):
+def all_reduce_grads(tensors: Iterable[torch.Tensor], *, group: Any = None) -> None:
     r"""Sum ``.grad`` of every tensor (a tensor or pytree of tensors) over ranks, in place.
 
     .. math::

@@ -1,4 +1,5 @@
 """What an autograd graph keeps alive: graph_report."""
+from typing import Dict, List, Sequence, Tuple, Union
 import collections
 
 import torch
@@ -45,10 +46,10 @@ class GraphReport:
         leaves: the leaf tensors that would receive gradients (their AccumulateGrad nodes).
     """
 
-    def __init__(self, nodes, saved_bytes, by_op, leaves):
+    def __init__(self, nodes: int, saved_bytes: int, by_op: Dict[str, Tuple[int, int]], leaves: List[torch.Tensor]) -> None:
         self.nodes, self.saved_bytes, self.by_op, self.leaves = nodes, saved_bytes, by_op, leaves
 
-    def __str__(self):
+    def __str__(self) -> str:
         lines = [f"graph: {self.nodes} nodes, {self.saved_bytes / 2**20:.3f} MiB saved for backward, "
                  f"{len(self.leaves)} leaves",
                  f"{'op':<32}{'nodes':>7}{'saved':>14}"]
@@ -63,7 +64,7 @@ class GraphReport:
     __repr__ = __str__
 
 
-def graph_report(t):
+def graph_report(t: Union[torch.Tensor, Sequence[torch.Tensor]]) -> GraphReport:
     r"""Walk ``t.grad_fn`` and report what the graph behind t keeps alive for backward.
 
     .. math::
@@ -92,9 +93,11 @@ def graph_report(t):
     for r in roots:
         if not isinstance(r, torch.Tensor):
             raise TypeError(f"graph_report(t): expected a tensor or a sequence of tensors, got {type(r).__name__}.")
-    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
-    seen, storages, leaves = set(), set(), []
-    by_op = collections.defaultdict(lambda: [0, 0])
+    stack: list = [r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None]
+    seen: set = set()
+    storages: set = set()
+    leaves: list = []
+    by_op: Dict[str, List[int]] = collections.defaultdict(lambda: [0, 0])
     saved_total = 0
     while stack:
         node = stack.pop()
@@ -115,4 +118,4 @@ def graph_report(t):
             saved_total += storage.nbytes()
             by_op[op][1] += storage.nbytes()
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return GraphReport(len(seen), saved_total, {k: tuple(v) for k, v in by_op.items()}, leaves)
+    return GraphReport(len(seen), saved_total, {k: (v[0], v[1]) for k, v in by_op.items()}, leaves)

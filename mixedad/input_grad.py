@@ -1,4 +1,5 @@
 """Differentiable input gradients through a frozen G: input_grad."""
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -10,11 +11,15 @@ from mixedad._entry import eager
 from mixedad._frontend.nesting import check_not_nested
 from mixedad._frontend.tangents import push_tangent
 
+__all__ = ["input_grad"]
+
 CALL = "input_grad(f, G, z, y)"
 
 
 @public_call
-def input_grad(f, G, z, y, *, chunk_size=None, strategy="auto"):
+def input_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[torch.Tensor, Sequence[torch.Tensor]],
+               y: Any, *, chunk_size: Optional[int] = None,
+               strategy: str = "auto") -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
     r"""The input gradient ∂f(y, G(z))/∂z, differentiable with respect to y at O(1) memory in depth.
 
     .. math::
@@ -106,7 +111,7 @@ class _InputGrad(torch.autograd.Function):
     def forward(meta, *tensors):
         zs, y_leaves = tensors[: meta.n_z], tensors[meta.n_z :]
         outs = [torch.empty_like(zi) for zi in zs] if len(meta.chunks) > 1 else None
-        seen = []  # the first two chunks' outputs and values, to check that f sums over codes
+        seen: list = []  # the first two chunks' outputs and values, to check that f sums over codes
         for c in meta.chunks:
             state = Snapshot(meta.G, modules=meta.states[0].modules if meta.states else (), call=CALL)
             meta.states.append(state)
@@ -119,9 +124,9 @@ class _InputGrad(torch.autograd.Function):
                 if len(seen) == 2:
                     check_sum_over_codes(CALL, meta.f, y_leaves, meta.y_spec, *seen)
                     seen[:] = [None, None]  # checked: let the two outputs go
-            for out, piece in zip(outs, pieces):
+            for out, piece in zip(outs, pieces):  # outs is a list here (returned above when None)
                 out[c] = piece  # filled chunk by chunk: one copy of the result, not two
-        return tuple(outs)
+        return tuple(outs or ())
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # a separate setup_context: torch.func.grad can run it
@@ -135,8 +140,8 @@ class _InputGrad(torch.autograd.Function):
         meta = ctx.meta
         tensors = ctx.saved_tensors
         zs, y_leaves = tensors[: meta.n_z], tensors[meta.n_z :]
-        grad_outs = [torch.zeros_like(zi) if g is None else g for g, zi in zip(grad_outs, zs)]
-        totals = None
+        cotangents = [torch.zeros_like(zi) if g is None else g for g, zi in zip(grad_outs, zs)]
+        totals: Optional[list] = None
         # The replays below must leave no trace: RNG and buffers end as the forward left them.
         undo = Snapshot(meta.G, modules=meta.states[0].modules, call=CALL)
         try:
@@ -144,7 +149,7 @@ class _InputGrad(torch.autograd.Function):
                 for c, state in zip(meta.chunks, meta.states):
                     state.restore()  # the RNG and buffers this chunk's forward pass saw
                     g_leaves, tangents, g_spec = push_tangent(
-                        CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in grad_outs], strategy=meta.strategy,
+                        CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in cotangents], strategy=meta.strategy,
                         cotangent=f_cotangent(CALL, meta.f, y_leaves, meta.y_spec),
                     )
                     grads = contract_f_with_tangent(
@@ -153,5 +158,6 @@ class _InputGrad(torch.autograd.Function):
                     totals = grads if totals is None else [t + g for t, g in zip(totals, grads)]
         finally:
             undo.restore()
+        assert totals is not None  # there is at least one chunk
         needs = ctx.needs_input_grad[1 + meta.n_z :]
         return (None,) + (None,) * meta.n_z + tuple(t if n else None for t, n in zip(totals, needs))

@@ -1,4 +1,5 @@
 """Mixed second derivatives through a frozen G: mixed_grad."""
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import torch
 from torch.func import vmap
 
@@ -12,9 +13,12 @@ from mixedad._entry import eager
 from mixedad._frontend.nesting import check_not_nested
 from mixedad._frontend.tangents import push_tangent
 
+__all__ = ["mixed_grad", "mixed_jacobian"]
+
 
 @public_call
-def mixed_grad(f, G, z, y, v=None, *, create_graph=False, strategy="auto"):
+def mixed_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[torch.Tensor, Sequence[torch.Tensor]],
+               y: Any, v: Any = None, *, create_graph: bool = False, strategy: str = "auto") -> Any:
     r"""Mixed derivative d/dy of the input gradient ∂f(y, G(z))/∂z, contracted with v.
 
     .. math::
@@ -101,7 +105,7 @@ def _mixed_grad(call, f, G, z, y, v, create_graph, strategy):
 
 
 @public_call
-def mixed_jacobian(f, G, z, y, *, chunk_size=None, strategy="auto"):
+def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: torch.Tensor, y: Any, *, chunk_size: Optional[int] = None, strategy: str = "auto") -> Any:
     r"""The full mixed second derivative of f(y, G(z)) in z and y.
 
     .. math::

@@ -1,4 +1,5 @@
 """Eager penalty gradients: regularisers whose graphs are freed as soon as they are computed."""
+from typing import Callable
 import torch
 
 __all__ = ["EagerPenalties"]
@@ -79,12 +80,13 @@ class EagerPenalties:
         (0, torch.Size([4, 4]))
     """
 
-    def __init__(self):
-        self._entries = []
+    def __init__(self) -> None:
+        self._entries: list = []
         self._s = None
         self._backward_started = False
 
-    def add(self, h, penalty_fn, *, weight=1.0):
+    def add(self, h: torch.Tensor, penalty_fn: Callable[[torch.Tensor], torch.Tensor], *,
+            weight: float = 1.0) -> torch.Tensor:
         """Take ``weight * d penalty_fn(h) / dh`` now; return h wired to add it in the backward.
 
         The returned tensor is a copy of h (one activation of memory), so later code may modify
@@ -127,7 +129,7 @@ class EagerPenalties:
             return h
         return _Inject.apply(self, entry, h)
 
-    def scale(self, s):
+    def scale(self, s: float) -> None:
         """Multiply each sample's stored penalty gradient (and value) by ``s[i]``; before backward."""
         call = "EagerPenalties.scale(s)"
         if self._backward_started:
@@ -153,7 +155,7 @@ class EagerPenalties:
         return entry.grad * s
 
     @property
-    def value(self):
+    def value(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
         for e in self._entries:
             v = e.values if self._s is None or e.values.dim() == 0 else e.values * self._s.to(e.values.dtype)
@@ -161,5 +163,5 @@ class EagerPenalties:
         return total
 
     @property
-    def pending(self):
+    def pending(self) -> int:
         return sum(1 for e in self._entries if not e.injected)

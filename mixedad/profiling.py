@@ -7,6 +7,7 @@ subtracts them when the last owner (a tensor, a view, or autograd's saved tensor
 Views, in-place results and other outputs that alias an op's inputs add nothing. The count is
 deterministic, so memory claims can be tested exactly in CI without a GPU.
 """
+from typing import Any, Callable, Tuple
 import statistics
 import time
 import weakref
@@ -50,11 +51,11 @@ class StorageCounter(TorchDispatchMode):
         (16000, 0)
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.current = 0
         self.peak = 0
-        self._live = {}
+        self._live: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -84,7 +85,7 @@ class StorageCounter(TorchDispatchMode):
         self._live.pop(key, None)
         self.current -= nbytes
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         result = super().__exit__(*exc)
         # Storages still alive (the result, say) stay counted in ``current``; stop watching them
         # so nothing runs after the block.
@@ -94,7 +95,7 @@ class StorageCounter(TorchDispatchMode):
         return result
 
 
-def cpu_peak_memory(fn, *args, **kwargs):
+def cpu_peak_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Tuple[Any, int]:
     r"""Run ``fn(*args, **kwargs)`` under a :class:`StorageCounter`.
 
     .. math::
@@ -117,7 +118,7 @@ def cpu_peak_memory(fn, *args, **kwargs):
     return result, counter.peak
 
 
-def cuda_peak_memory(fn, *args, device=None, **kwargs):
+def cuda_peak_memory(fn: Callable[..., Any], *args: Any, device: Any = None, **kwargs: Any) -> Tuple[Any, int]:
     r"""Run ``fn(*args, **kwargs)`` and read the CUDA caching allocator's peak.
 
     .. math::
@@ -160,7 +161,7 @@ def _cuda_device_of(objs):
     return None
 
 
-def peak_memory(fn, *args, **kwargs):
+def peak_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Tuple[Any, int]:
     r"""Peak memory of ``fn(*args, **kwargs)``, in bytes above what was allocated before it.
 
     .. math::
@@ -187,7 +188,7 @@ def peak_memory(fn, *args, **kwargs):
     return cpu_peak_memory(fn, *args, **kwargs)
 
 
-def median_time(fn, *, repeats=5, warmup=1):
+def median_time(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> float:
     r"""Median wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
 
     .. math::

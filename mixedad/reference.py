@@ -4,6 +4,7 @@ These build the full reverse graph through G with ``create_graph=True`` and diff
 again, exactly as the straightforward PyTorch code does. They are slow and their memory grows
 with G's depth; use them to verify mixedad's results, not in production.
 """
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import torch
 
 from mixedad import _checks
@@ -23,7 +24,9 @@ __all__ = [
 
 
 @public_call
-def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
+def double_backward_mixed_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any],
+                               z: Union[torch.Tensor, Sequence[torch.Tensor]], y: Any, v: Any = None, *,
+                               create_graph: bool = False) -> Any:
     r"""Reference for :func:`mixedad.mixed_grad` by double backward through G.
 
     .. math::
@@ -54,7 +57,7 @@ def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
         out = f(tree_unflatten(y_work, y_spec), G(*z_work))
         _checks.check_scalar_output(call, out)
         out = out.reshape(())
-        df_dz = [None] * len(z_work)
+        df_dz: Sequence[Optional[torch.Tensor]] = [None] * len(z_work)
         if out.requires_grad:
             df_dz = torch.autograd.grad(out, z_work, create_graph=True, allow_unused=True)
         pairs = [(d, vi) for d, vi in zip(df_dz, vs) if d is not None and d.requires_grad]
@@ -64,6 +67,7 @@ def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
                 f"@once_differentiable, so ∂f/∂z cannot be differentiated again (the naive code "
                 f"raises here; with allow_unused it would silently give zeros)."
             )
+        grads: Sequence[Optional[torch.Tensor]]
         if pairs:
             grads = torch.autograd.grad(
                 [d for d, _ in pairs], y_work, grad_outputs=[vi for _, vi in pairs],
@@ -76,7 +80,9 @@ def double_backward_mixed_grad(f, G, z, y, v=None, *, create_graph=False):
 
 
 @public_call
-def double_backward_input_grad(f, G, z, y, *, chunk_size=None):
+def double_backward_input_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any],
+                               z: Union[torch.Tensor, Sequence[torch.Tensor]], y: Any, *,
+                               chunk_size: Optional[int] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
     r"""Reference for :func:`mixedad.input_grad`: the naive create_graph code.
 
     .. math::
@@ -113,7 +119,8 @@ def double_backward_input_grad(f, G, z, y, *, chunk_size=None):
 
 
 @public_call
-def double_backward_mixed_jacobian(f, G, z, y):
+def double_backward_mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: torch.Tensor,
+                                   y: Any) -> Any:
     r"""Reference for :func:`mixedad.mixed_jacobian`, one double-backward row at a time.
 
     .. math::
@@ -169,7 +176,9 @@ def _shifted_outputs(G, zs, vs, eps):
             G(*(zi - eps * vi for zi, vi in zip(zs, vs))))
 
 
-def finite_difference_mixed_directional(f, G, z, y, v=None, *, w, eps=1e-4):
+def finite_difference_mixed_directional(f: Callable[..., torch.Tensor], G: Callable[..., Any],
+                                        z: Union[torch.Tensor, Sequence[torch.Tensor]], y: Any, v: Any = None, *,
+                                        w: Any, eps: float = 1e-4) -> float:
     r"""Reference for :math:`\langle w, \mathrm{mixed\_grad}(f, G, z, y, v)\rangle`, no autograd.
 
     .. math::
@@ -207,11 +216,14 @@ def finite_difference_mixed_directional(f, G, z, y, v=None, *, w, eps=1e-4):
                                       w_leaves, y_leaves):
         _checks.check_like(call, w_name, wl, yl, y_name)
     with torch.no_grad():
-        difference = _second_difference(call, f, y_spec, *_shifted_outputs(G, zs, vs, eps), eps)
+        g_plus, g_minus = _shifted_outputs(G, zs, vs, eps)
+        difference = _second_difference(call, f, y_spec, g_plus, g_minus, eps)
         return difference(y_leaves, w_leaves)
 
 
-def finite_difference_mixed_grad(f, G, z, y, v=None, *, eps=1e-4):
+def finite_difference_mixed_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any],
+                                 z: Union[torch.Tensor, Sequence[torch.Tensor]], y: Any, v: Any = None, *,
+                                 eps: float = 1e-4) -> Any:
     r"""Reference for :func:`mixedad.mixed_grad` by central finite differences, no autograd.
 
     .. math::
@@ -238,7 +250,8 @@ def finite_difference_mixed_grad(f, G, z, y, v=None, *, eps=1e-4):
     call = "finite_difference_mixed_grad(f, G, z, y)"
     zs, y_leaves, y_spec, vs = _checks.mixed_args(call, f, G, z, y, v)
     with torch.no_grad():
-        difference = _second_difference(call, f, y_spec, *_shifted_outputs(G, zs, vs, eps), eps)
+        g_plus, g_minus = _shifted_outputs(G, zs, vs, eps)
+        difference = _second_difference(call, f, y_spec, g_plus, g_minus, eps)
         result = []
         for i, leaf in enumerate(y_leaves):
             out = torch.empty_like(leaf)

@@ -5,6 +5,9 @@ pushes tangents through it: per op, how many calls took a fast frozen-layer rule
 formula, the local double-VJP rule (and why), PyTorch's own formula, and whether all of G fell
 back to two reverse passes (and why).
 """
+from typing import Any, Callable, List, Sequence, Union
+
+import torch
 from mixedad import _checks
 from mixedad._entry import public_call
 from mixedad.op_rules import PATHS, WHOLE_G, PathRecorder
@@ -33,26 +36,26 @@ class TangentReport:
         ['torch.nn.functional.linear']
     """
 
-    def __init__(self, recorder):
+    def __init__(self, recorder: Any) -> None:
         order = {path: i for i, path in enumerate(PATHS)}
         self.rows = sorted(((op, path, reason, n) for (op, path, reason), n in recorder.counts.items()),
                            key=lambda row: (order[row[1]], row[0], row[2]))
         self.fallback = recorder.fallback
 
-    def calls(self, path):
+    def calls(self, path: str) -> int:
         """How many op calls took ``path`` (one of :data:`mixedad.op_rules.PATHS`)."""
         return sum(n for _, p, _, n in self.rows if p == path)
 
-    def ops(self, path):
+    def ops(self, path: str) -> List[str]:
         """The names of the ops that took ``path`` at least once."""
         return sorted({op for op, p, _, _ in self.rows if p == path})
 
     @property
-    def flat(self):
+    def flat(self) -> bool:
         """True when no whole-G fallback was needed: memory does not grow with G's depth."""
         return self.fallback is None
 
-    def __str__(self):
+    def __str__(self) -> str:
         header = ("op", "path", "reason", "calls")
         body = [(op, path, reason, str(n)) for op, path, reason, n in self.rows]
         if self.fallback is not None:
@@ -63,12 +66,13 @@ class TangentReport:
                    else "memory: GROWS with G's depth (whole-G fallback)")
         return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body), summary])
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"TangentReport({len(self.rows)} rows, fallback={self.fallback!r})"
 
 
 @public_call
-def tangent_report(G, z, v=None, *, strategy="auto"):
+def tangent_report(G: Callable[..., Any], z: Union[torch.Tensor, Sequence[torch.Tensor]], v: Any = None, *,
+                   strategy: str = "auto") -> TangentReport:
     r"""Push one tangent through G and report, per op, which path it took.
 
     .. math::

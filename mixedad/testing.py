@@ -1,4 +1,5 @@
 """Helpers for verifying mixedad's results against a reference, in tests, notebooks and the demo."""
+from typing import Any, Callable, List, Optional, Sequence, TextIO, Union
 import torch
 
 from mixedad._hooks.pytree import tree_flatten
@@ -33,7 +34,7 @@ def _pairs(actual, expected):
     return list(zip(a_leaves, e_leaves))
 
 
-def max_relative_error(actual, expected, *, atol=0.0):
+def max_relative_error(actual: Any, expected: Any, *, atol: float = 0.0) -> float:
     r"""Largest leafwise relative error between two tensors or pytrees of tensors, beyond ``atol``.
 
     .. math::
@@ -80,7 +81,8 @@ def max_relative_error(actual, expected, *, atol=0.0):
     return worst
 
 
-def assert_close(actual, expected, *, rtol=None, atol=0.0, what="result"):
+def assert_close(actual: Any, expected: Any, *, rtol: Optional[float] = None, atol: float = 0.0,
+                 what: str = "result") -> None:
     r"""Assert ``max_relative_error(actual, expected, atol=atol) <= rtol`` with a readable report.
 
     .. math::
@@ -115,7 +117,8 @@ def assert_close(actual, expected, *, rtol=None, atol=0.0, what="result"):
         raise AssertionError("\n".join(lines))
 
 
-def check_generator(G, z, *, strategy="forward", rtol=None, seed=0):
+def check_generator(G: Callable[..., Any], z: torch.Tensor, *, strategy: str = "forward",
+                    rtol: Optional[float] = None, seed: int = 0) -> float:
     r"""Check that mixedad's tangents through G agree with reverse mode: the dot-product test.
 
     .. math::
@@ -167,9 +170,8 @@ def check_generator(G, z, *, strategy="forward", rtol=None, seed=0):
                                          allow_unused=True) if pairs else [None] * len(z_work)
     finally:
         snapshot.restore()
-    forward = sum((u.double() * t.double()).sum() for u, t in zip(us, tangents) if t is not None)
-    reverse = sum((p.double() * v.double()).sum() for p, v in zip(pulled, vs) if p is not None)
-    forward, reverse = float(forward), float(reverse)
+    forward = float(sum((u.double() * t.double()).sum() for u, t in zip(us, tangents) if t is not None and u is not None))
+    reverse = float(sum((p.double() * v.double()).sum() for p, v in zip(pulled, vs) if p is not None))
     err = abs(forward - reverse) / max(abs(reverse), abs(forward), torch.finfo(torch.float64).tiny)
     if rtol is None:
         rtol = 10 * RTOL.get(zs[0].dtype, 1e-4)
@@ -182,7 +184,8 @@ def check_generator(G, z, *, strategy="forward", rtol=None, seed=0):
     return err
 
 
-def spot_check(f, G, z, y, v=None, *, codes=2, strategy="auto", rtol=None, stream=None):
+def spot_check(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: torch.Tensor, y: Any, v: Any = None, *, codes: int = 2, strategy: str = "auto", rtol: Optional[float] = None,
+               stream: Optional[TextIO] = None) -> float:
     r"""Check one real call of :func:`mixedad.mixed_grad` against double backward on a few codes.
 
     .. math::
@@ -303,11 +306,12 @@ def _term_sizes(f, G, z, y, v, strategy, undo):
 
     gen = torch.Generator().manual_seed(0)
     v = torch.ones_like(z) if v is None else v
-    total = None
+    total: Optional[List[torch.Tensor]] = None
     for _ in range(PROBES):
         xi = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(dtype=v.dtype, device=v.device)
         leaves, _ = tree_flatten(mixed_grad(f, G, z, y, v * xi, strategy=strategy))
         undo.restore()
         squares = [leaf.detach().double().square().nan_to_num(0.0, 0.0, 0.0) for leaf in leaves]
         total = squares if total is None else [t + s for t, s in zip(total, squares)]
+    assert total is not None  # PROBES >= 1
     return [(t / PROBES).sqrt().max().item() if t.numel() else 0.0 for t in total]

@@ -51,6 +51,7 @@ Users give a tangent rule to an op mixedad does not know with :func:`register`.
 import contextlib
 import functools
 import threading
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -94,14 +95,15 @@ REVERSE_MODE_INSIDE = {
 }
 #: ``t.requires_grad`` as G reads it: True for a tensor that carries a tangent, as in reverse mode
 #: (G may branch on it: ``if h.requires_grad: h.register_hook(...)``).
-REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
+REQUIRES_GRAD = torch.Tensor.requires_grad.__get__  # type: ignore[attr-defined]  # the property's getter
 #: Reverse-mode graph attributes as G reads them: forward mode has no graph, so a G that branches
 #: on them takes the whole-G fallback, where they are what double backward sees.
-GRAPH_ATTRIBUTES = {torch.Tensor.is_leaf.__get__: "Tensor.is_leaf", torch.Tensor.grad_fn.__get__: "Tensor.grad_fn"}
+GRAPH_ATTRIBUTES = {torch.Tensor.is_leaf.__get__: "Tensor.is_leaf",  # type: ignore[attr-defined]
+                    torch.Tensor.grad_fn.__get__: "Tensor.grad_fn"}  # type: ignore[union-attr]
 
 
 @functools.lru_cache(maxsize=None)
-def op_name(func):
+def op_name(func: Any) -> str:
     """A readable name for a torch function: ``torch.nn.functional.linear``, ``torch.Tensor.add``."""
     if isinstance(func, type):
         return f"{func.__qualname__} (custom Function)"
@@ -112,7 +114,7 @@ _settings = threading.local()
 
 
 @contextlib.contextmanager
-def skipping(*paths):
+def skipping(*paths: Union[Path, str]) -> Iterator[None]:
     """Passes started in this thread inside the block do not take ``paths`` (benchmarks use it).
 
     ``skipping(LOCAL, FORMULA)`` gives mixedad as it was before per-op rules: an op forward mode
@@ -140,7 +142,8 @@ class OpRules(TorchFunctionMode):
             and without ``LOCAL`` an op whose formula is missing sends G to the whole-G fallback.
     """
 
-    def __init__(self, call, recorder=None, *, skip=None):
+    def __init__(self, call: str, recorder: Optional["PathRecorder"] = None, *,
+                 skip: Optional[Sequence[Union[Path, str]]] = None) -> None:
         super().__init__()
         self.call, self.recorder = call, recorder
         skip = tuple(Path(p) for p in (getattr(_settings, "skip", ()) if skip is None else skip))
@@ -148,7 +151,7 @@ class OpRules(TorchFunctionMode):
         self.attention = Path.ATTENTION not in skip
         self.skip = skip
         self.failed = FAILED if self.local else {}
-        self._rules = {}  # func -> its rule in this pass (TABLE and the skips do not change during one)
+        self._rules: Dict[Any, Optional[Rule]] = {}  # func -> its rule in this pass (TABLE and the skips do not change during one)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -174,7 +177,7 @@ class OpRules(TorchFunctionMode):
         with no_graph():  # tangents only: no reverse graph through G's parameters
             return self._dispatch(func, args, kwargs)
 
-    def rule_for(self, func):
+    def rule_for(self, func: Any) -> Optional[Rule]:
         """The rule ``func`` takes in this pass, or None for PyTorch's formula."""
         try:
             return self._rules[func]
@@ -224,7 +227,8 @@ class OpRules(TorchFunctionMode):
             self.recorder.add(op_name(func), Path.FORWARD, "PyTorch's formula")
         return result
 
-    def apply(self, rule, func, args, kwargs, name=None):
+    def apply(self, rule: Rule, func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
+              name: Optional[str] = None) -> Any:
         """Run ``rule`` on this call: bind, unpack, call, pack, record. NotImplemented if it declines."""
         op = OpCall(func, name or op_name(func), self.call, args, kwargs, rule.arguments or (), dispatch=self._reenter)
         result = rule.apply(op)
@@ -244,7 +248,7 @@ class OpRules(TorchFunctionMode):
         with torch.enable_grad(), self:
             return func(*args, **kwargs)
 
-    def custom_function(self, cls, args, kwargs):
+    def custom_function(self, cls: type, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         """The dispatch for ``cls.apply(*args, **kwargs)``, a custom autograd.Function."""
         rule = TABLE.get(cls)
         if rule is not None and torch.is_grad_enabled() and any_tangent((args, kwargs)) and rule.path not in self.skip:
@@ -258,11 +262,11 @@ class OpRules(TorchFunctionMode):
 class PathRecorder:
     """Counts, per op, the calls that took each path; and the whole-G fallback, if any."""
 
-    def __init__(self):
-        self.counts = {}
-        self.fallback = None
+    def __init__(self) -> None:
+        self.counts: Dict[Tuple[str, Path, str], int] = {}
+        self.fallback: Optional[str] = None
 
-    def add(self, op, path, reason):
+    def add(self, op: str, path: Union[Path, str], reason: str) -> None:
         key = (op, Path(path), reason)
         self.counts[key] = self.counts.get(key, 0) + 1
 

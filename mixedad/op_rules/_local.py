@@ -195,7 +195,7 @@ def failed_rule(func, args, kwargs):
     return None if reason is None else Rule(Path.LOCAL, local_rule, reason)
 
 
-def forget_failures():
+def forget_failures() -> None:
     """Clear the process-wide memory of ops whose forward-AD formula raised (for tests)."""
     with _FAILED_LOCK:
         FAILED.clear()

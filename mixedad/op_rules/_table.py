@@ -13,7 +13,7 @@ the returned tangents into dual tensors, and records the path for :func:`mixedad
 """
 import enum
 import inspect
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -77,11 +77,12 @@ class OpCall:
         tangents: the same names, each tensor replaced by its tangent or None.
     """
 
-    def __init__(self, func, name, call, args, kwargs, names=(), dispatch=None):
+    def __init__(self, func: Callable[..., Any], name: str, call: str, args: Sequence[Any], kwargs: Dict[str, Any],
+                 names: Sequence[str] = (), dispatch: Optional[Callable[..., Any]] = None) -> None:
         self.func, self.name, self.call, self.args, self.kwargs = func, name, call, args, kwargs
         self._names = tuple(names)
         self._dispatch = dispatch
-        self.rerouted = None
+        self.rerouted: Optional[Tuple[Path, str]] = None
         self._primal_args, tangent_args = split_args(args)
         self._primal_kwargs, tangent_kwargs = split_tree(kwargs) if kwargs else ({}, {})
         self.primals = self._by_name(self._primal_args, self._primal_kwargs)
@@ -92,7 +93,7 @@ class OpCall:
         named.update(kwargs)
         return named
 
-    def primal(self, **overrides):
+    def primal(self, **overrides: Any) -> Any:
         """The op called plainly on the primals, with arguments replaced by name (``bias=None``)."""
         args = list(self._primal_args)
         kwargs = dict(self._primal_kwargs)
@@ -104,11 +105,11 @@ class OpCall:
                 kwargs[key] = value
         return self.func(*args, **kwargs)
 
-    def reroute(self, path, reason):
+    def reroute(self, path: Union[Path, str], reason: str) -> None:
         """Record that this call took ``path`` instead of the rule's own (attention with dropout)."""
         self.rerouted = (Path(path), reason)
 
-    def dispatch(self, func, *args, **kwargs):
+    def dispatch(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``func(*args, **kwargs)`` through mixedad's dispatch again, so that call takes its own path."""
         if self._dispatch is None:
             raise RuntimeError(f"{self.name}: this rule cannot re-enter the dispatch here")

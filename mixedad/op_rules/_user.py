@@ -1,5 +1,6 @@
 """Tangent rules that users register for ops mixedad does not know: :func:`register`."""
 import functools
+from typing import Any, Callable, Optional, Sequence, TypeVar
 import warnings
 import weakref
 
@@ -11,10 +12,13 @@ from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, arguments_of, pac
 
 __all__ = ["register", "unregister"]
 
-_WARNED = weakref.WeakSet()
+RuleFunction = TypeVar("RuleFunction", bound=Callable[..., Any])
+
+_WARNED: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def register(op, *, arguments=None, reason=None):
+def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
+             reason: Optional[str] = None) -> Callable[[RuleFunction], RuleFunction]:
     """Give ``op`` a tangent rule that mixedad's forward pass uses in place of PyTorch's formula.
 
     Use it as a decorator beside the rule::
@@ -84,7 +88,7 @@ def register(op, *, arguments=None, reason=None):
     """
     keys = registry_keys(op)
 
-    def decorate(rule):
+    def decorate(rule: RuleFunction) -> RuleFunction:
         if not callable(rule):
             raise TypeError(f"register({op!r}): expected a function rule(op), got {type(rule).__name__}.")
         owner = getattr(rule, "__qualname__", repr(rule))
@@ -96,7 +100,7 @@ def register(op, *, arguments=None, reason=None):
     return decorate
 
 
-def unregister(op):
+def unregister(op: Any) -> None:
     """Remove the rule registered for ``op`` (mixedad's own rule for it is not restored)."""
     for key in registry_keys(op):
         TABLE.pop(key, None)
