@@ -208,13 +208,18 @@ def _dot_product_test(apply, leaves, spec, positions, bases, live, us, pulled, r
 _WARNED_JVP = weakref.WeakSet()
 
 
-def _warn_jvp_disagrees(call, cls, numbers):
+def warn_disagreement(call, what, pushed, numbers, fix):
+    """Warn that ``what`` (a jvp, a user's rule) fails the dot-product test against the backward."""
     lhs, rhs = numbers
     warnings.warn(
-        f"{call}: {cls.__qualname__}.jvp disagrees with its backward: the dot-product test on random "
-        f"t, u gives <jvp(t), u> = {lhs:.6g} but <t, backward(u)> = {rhs:.6g}. Reverse mode is the "
-        f"meaning, so mixedad differentiates its backward instead (the local double-VJP rule). "
-        f"Fix the jvp, or remove it.", RuntimeWarning, stacklevel=2)
+        f"{call}: {what} disagrees with the backward: the dot-product test on random t, u gives "
+        f"<{pushed}(t), u> = {lhs:.6g} but <t, backward(u)> = {rhs:.6g}. Reverse mode is the meaning, "
+        f"so mixedad differentiates the backward instead (the local double-VJP rule). {fix}",
+        RuntimeWarning, stacklevel=3)
+
+
+def _warn_jvp_disagrees(call, cls, numbers):
+    warn_disagreement(call, f"{cls.__qualname__}.jvp", "jvp", numbers, "Fix the jvp, or remove it.")
 
 
 def forward_pass_custom_function(rules, cls, args, kwargs):

@@ -1,13 +1,12 @@
 """Tangent rules that users register for ops mixedad does not know: :func:`register`."""
 import functools
 from typing import Any, Callable, Optional, Sequence, TypeVar
-import warnings
 import weakref
 
 
 from mixedad._hooks.function_apply import direct
 from mixedad._hooks.library_ops import registry_keys
-from mixedad.op_rules._custom_functions import verdict
+from mixedad.op_rules._custom_functions import verdict, warn_disagreement
 from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, arguments_of, pack
 
 __all__ = ["register", "unregister"]
@@ -138,9 +137,5 @@ def _warn(rule, op, numbers):
     if rule in _WARNED:
         return
     _WARNED.add(rule)
-    lhs, rhs = numbers
-    warnings.warn(
-        f"{op.call}: the tangent rule {rule.__qualname__} registered for {op.name} disagrees with the op's "
-        f"backward: the dot-product test on random t, u gives <rule(t), u> = {lhs:.6g} but <t, backward(u)> "
-        f"= {rhs:.6g}. Reverse mode is the meaning, so mixedad differentiates the op's backward instead "
-        f"(the local double-VJP rule). Fix the rule, or unregister it.", RuntimeWarning, stacklevel=2)
+    warn_disagreement(op.call, f"the tangent rule {rule.__qualname__} registered for {op.name}", "rule", numbers,
+                      "Fix the rule, or unregister it.")

@@ -1,19 +1,11 @@
 """Pins for mixedad._hooks.attention_backends: the math backend, the fast-path flag, and no fast path under a mode."""
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from mixedad._hooks import attention_backends as hook
 
+from tests._hooks.recording import Seen
 
-class Seen(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.funcs = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.funcs.add(func)
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_fast_path_flag_is_switched_off_and_restored():

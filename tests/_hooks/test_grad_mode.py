@@ -1,18 +1,10 @@
 """Pins for mixedad._hooks.grad_mode: every Python way to switch grad mode reaches one torch function."""
 import torch
-from torch.overrides import TorchFunctionMode
 
 from mixedad._hooks import grad_mode
 
+from tests._hooks.recording import Seen
 
-class Seen(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.funcs = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.funcs.append(func)
-        return func(*args, **(kwargs or {}))
 
 
 def test_every_switch_reaches_set_grad_enabled_through_a_torch_function_mode():

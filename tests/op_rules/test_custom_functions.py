@@ -140,7 +140,7 @@ def test_a_linear_odd_backward_stays_on_the_local_rule():
 def test_a_jvp_that_disagrees_with_the_backward_warns_and_the_backward_wins():
     G = around(wrong_jvp())
     z, y, v = _problem(6)
-    with pytest.warns(RuntimeWarning, match=r"WrongJvp.jvp disagrees with its backward.*<jvp\(t\), u> = \S+ but "
+    with pytest.warns(RuntimeWarning, match=r"WrongJvp.jvp disagrees with the backward.*<jvp\(t\), u> = \S+ but "
                                             r"<t, backward\(u\)> = \S+"):
         ours = mixedad.mixed_grad(f, G, z, y, v)
     assert_close(ours, double_backward(f, G, z, y, v), rtol=1e-10)
