@@ -89,7 +89,8 @@ class OpCall:
         self.tangents = self._by_name(tangent_args, tangent_kwargs)
 
     def _by_name(self, args, kwargs):
-        named = {(self._names[i] if i < len(self._names) else f"arg{i}"): a for i, a in enumerate(args)}
+        named = _Arguments(self.name)
+        named.update({(self._names[i] if i < len(self._names) else f"arg{i}"): a for i, a in enumerate(args)})
         named.update(kwargs)
         return named
 
@@ -114,6 +115,19 @@ class OpCall:
         if self._dispatch is None:
             raise RuntimeError(f"{self.name}: this rule cannot re-enter the dispatch here")
         return self._dispatch(func, *args, **kwargs)
+
+
+class _Arguments(dict):
+    """A call's arguments by name; a missing name says which names there are."""
+
+    def __init__(self, op_name):
+        super().__init__()
+        self.op_name = op_name
+
+    def __missing__(self, key):
+        raise KeyError(f"{self.op_name} has no argument {key!r} in this call; its arguments here are named "
+                       f"{sorted(self)}. Positional arguments of builtins are named arg0, arg1, ... unless the rule "
+                       f"is registered with arguments=(...).")
 
 
 def pack(output, tangent):

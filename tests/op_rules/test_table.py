@@ -58,3 +58,11 @@ def test_skipping_a_path_by_enum_or_string():
     with pytest.raises(ValueError, match="expected paths from"):
         with mixedad.op_rules.skipping(Path.FORWARD):
             pass
+
+
+def test_a_missing_argument_name_says_which_names_there_are():
+    op = OpCall(torch.sin, "torch.sin", "call", (torch.ones(2),), {})
+    with pytest.raises(KeyError, match=r"torch.sin has no argument 'input' in this call; its arguments here are "
+                                       r"named \['arg0'\].*arguments=\(\.\.\.\)"):
+        op.primals["input"]
+    assert op.primals.get("input") is None
