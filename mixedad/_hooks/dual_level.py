@@ -54,17 +54,18 @@ def tangent_of(x):
     return split(x)[1]
 
 
-def any_tangent(tree):
+def any_tangent(tree, *, tangents=False):
     """Whether any tensor in ``tree`` (args and kwargs, say: tuples, lists and dicts) carries a tangent.
 
+    With ``tangents``, ``tree`` holds tangents already (from :func:`split_tree`): any tensor counts.
     Walked by hand rather than with pytree: the dispatch asks this for every op of every pass.
     """
     if isinstance(tree, torch.Tensor):
-        return tangent_of(tree) is not None
+        return tangents or tangent_of(tree) is not None
     if isinstance(tree, (list, tuple)):
-        return any(any_tangent(leaf) for leaf in tree)
+        return any(any_tangent(leaf, tangents=tangents) for leaf in tree)
     if isinstance(tree, dict):
-        return any(any_tangent(leaf) for leaf in tree.values())
+        return any(any_tangent(leaf, tangents=tangents) for leaf in tree.values())
     return False
 
 
@@ -79,12 +80,17 @@ def any_tangent_in(args, kwargs):
     return False
 
 
+_NESTED = (torch.Tensor, list, tuple, dict)
+
+
 def split_args(args):
     """``(primals, tangents)`` of a call's positional arguments, as lists; see :func:`split_tree`."""
     primals, tangents = [], []
     for arg in args:
         if type(arg) is torch.Tensor and arg.layout == torch.strided:
             primal, tangent = split(arg)
+        elif arg is None or isinstance(arg, nn.Parameter):  # a frozen weight, an absent bias
+            primal, tangent = arg, None
         elif isinstance(arg, (torch.Tensor, list, tuple, dict)):
             primal, tangent = split_tree(arg)
         else:
@@ -105,6 +111,8 @@ def split_tree(tree):
         return split(tree)
     kind = type(tree)
     if kind is list or kind is tuple:
+        if not any(isinstance(leaf, _NESTED) for leaf in tree):
+            return tree, None  # sizes, strides, paddings: nothing to split
         parts = [split_tree(leaf) for leaf in tree]
         return kind(p for p, _ in parts), kind(t for _, t in parts)
     if kind is dict:

@@ -197,12 +197,12 @@ class OpRules(TorchFunctionMode):
     def _dispatch(self, func, args, kwargs):
         rule = self.rule_for(func)
         if rule is not None or func in self.failed:
-            if not any_tangent_in(args, kwargs):
-                return func(*args, **kwargs)  # the plain call: no tangent to push
             if rule is not None:
                 result = self.apply(rule, func, args, kwargs)
                 if result is not NotImplemented:
                     return result
+            elif not any_tangent_in(args, kwargs):
+                return func(*args, **kwargs)  # the plain call: no tangent to push
             if func in self.failed:  # its formula raised before, for these inputs: the local rule
                 rule = failed_rule(func, args, kwargs)
                 if rule is not None:
@@ -231,6 +231,8 @@ class OpRules(TorchFunctionMode):
               name: Optional[str] = None) -> Any:
         """Run ``rule`` on this call: bind, unpack, call, pack, record. NotImplemented if it declines."""
         op = OpCall(func, name or op_name(func), self.call, args, kwargs, rule.arguments or (), dispatch=self._reenter)
+        if not op.any_tangent:
+            return func(*args, **kwargs)  # the plain call: no tangent to push
         result = rule.apply(op)
         if result is NotImplemented:
             return NotImplemented

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, U
 
 import torch
 
-from mixedad._hooks.dual_level import dual, split_args, split_tree
+from mixedad._hooks.dual_level import any_tangent, dual, split_args, split_tree
 from mixedad._hooks.function_apply import has_setup_context
 from mixedad._hooks.library_ops import schema_argument_names
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
@@ -85,6 +85,9 @@ class OpCall:
         self.rerouted: Optional[Tuple[Path, str]] = None
         self._primal_args, tangent_args = split_args(args)
         self._primal_kwargs, tangent_kwargs = split_tree(kwargs) if kwargs else ({}, {})
+        #: Whether any argument carries a tangent (the dispatcher makes the plain call if not).
+        self.any_tangent = any_tangent(tangent_args, tangents=True) or (
+            bool(kwargs) and any_tangent(tangent_kwargs, tangents=True))
         self.primals = self._by_name(self._primal_args, self._primal_kwargs)
         self.tangents = self._by_name(tangent_args, tangent_kwargs)
 
