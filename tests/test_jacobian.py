@@ -94,3 +94,48 @@ def test_mixed_jacobian_with_dropout_on_a_non_contiguous_tensor():
     torch.manual_seed(1)
     G(z)
     assert torch.equal(after, torch.get_rng_state())  # as one plain forward leaves it
+
+
+UNTRUSTED_UNDER_VMAP = {
+    # PyTorch's formula is silently wrong here (pytorch#196705): logits 30 apart.
+    "logcumsumexp": lambda z: torch.logcumsumexp(z + torch.tensor([0.0, 30.0, 0.0, 0.0], dtype=F64), 0),
+    # PyTorch's formula drops the tangent of scatter_reduce(prod).
+    "scatter_reduce_prod": lambda z: torch.zeros(2, dtype=F64).scatter_reduce(0, torch.tensor([0, 1, 0, 1]), z, "prod"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNTRUSTED_UNDER_VMAP))
+def test_mixed_jacobian_does_not_trust_a_silently_wrong_formula_under_vmap(name):
+    """The rules step aside under vmap; an op whose PyTorch formula is wrong sends the Jacobian to one pass per row."""
+    G = UNTRUSTED_UNDER_VMAP[name]
+    gen = torch.Generator().manual_seed(3)
+    z, y = torch.randn(4, generator=gen, dtype=F64), torch.randn(G(torch.zeros(4, dtype=F64)).shape, generator=gen, dtype=F64)
+    f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
+    assert_close(mixedad.mixed_jacobian(f, G, z, y), double_backward_mixed_jacobian(f, G, z, y))
+
+
+def test_vmap_over_mixed_grad_refuses_a_silently_wrong_formula_by_name():
+    G = UNTRUSTED_UNDER_VMAP["logcumsumexp"]
+    z, y = torch.randn(4, dtype=F64), torch.randn(4, dtype=F64)
+    f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
+    with pytest.raises(mixedad.op_rules.UnderTransformError, match=r"torch.logcumsumexp is wrong \(pytorch#196705"):
+        torch.func.vmap(lambda v: mixedad.mixed_grad(f, G, z, y, v))(torch.eye(4, dtype=F64))
+
+
+def test_mixed_jacobian_uses_a_users_rule_one_pass_per_row():
+    calls = []
+
+    @mixedad.op_rules.register(torch.erf, arguments=("input",))
+    def erf_tangent(op):
+        calls.append(1)
+        x = op.primals["input"]
+        return op.primal(), op.tangents["input"] * 2 / torch.pi ** 0.5 * torch.exp(-x * x)
+
+    try:
+        G = lambda z: torch.erf(z * 1.5)  # noqa: E731
+        z, y = torch.randn(3, dtype=F64), torch.randn(3, dtype=F64)
+        f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
+        assert_close(mixedad.mixed_jacobian(f, G, z, y), double_backward_mixed_jacobian(f, G, z, y))
+        assert len(calls) >= 3  # the rule pushed every row
+    finally:
+        mixedad.op_rules.unregister(torch.erf)

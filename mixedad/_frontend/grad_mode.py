@@ -74,13 +74,15 @@ class ReadGradMode(TorchFunctionMode):
     """Grad mode read at each op, for passes under torch.func transforms (where the op rules step aside).
 
     ``refuse`` maps torch functions that the pass cannot take there (``torch.autograd.grad``
-    inside G, gradient hooks) to the reason, and ``refusal(reason)`` builds the error to raise.
+    inside G, gradient hooks) to the reason, ``untrusted(func)`` gives the reason for an op
+    whose tangent PyTorch's formula would get wrong there (or None), and ``refusal(reason)``
+    builds the error to raise.
     Inference mode entered inside G is refused too.
     """
 
-    def __init__(self, refuse=None, refusal=RuntimeError):
+    def __init__(self, refuse=None, refusal=RuntimeError, untrusted=None):
         super().__init__()
-        self.refuse, self.refusal = refuse or {}, refusal
+        self.refuse, self.refusal, self.untrusted = refuse or {}, refusal, untrusted
         level = current_level()
         self.level = -1 if level is None else level  # G runs one level deeper, inside the pass's jvp
 
@@ -93,6 +95,10 @@ class ReadGradMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in self.refuse:
             raise self.refusal(self.refuse[func])
+        if self.untrusted is not None:
+            reason = self.untrusted(func)
+            if reason is not None:
+                raise self.refusal(reason)
         if torch.is_inference_mode_enabled():
             raise self.refusal("G enters inference mode inside itself")
         if not torch.is_grad_enabled():

@@ -51,7 +51,7 @@ from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.pytree import describe, differentiable, tree_flatten
 from mixedad._hooks.tensor_kinds import shares_memory_within
 from mixedad._hooks.threads import watching_threads
-from mixedad.op_rules import REVERSE_MODE_INSIDE, SKIPPABLE, OpRules
+from mixedad.op_rules import REVERSE_MODE_INSIDE, SKIPPABLE, OpRules, untrusted_under_transforms
 from mixedad.op_rules._custom_functions import FunctionsUnderTransforms, ReverseMode
 from mixedad.op_rules._double_vjp import double_vjp
 from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
@@ -123,7 +123,7 @@ def _forward(call, G, zs, vs, rules):
             with torch.enable_grad(), differentiable_attention(), routing(FunctionsUnderTransforms(call)), \
                     watching_threads() as threads:
                 G_flat, spec = _tensors_only(call, G, refusal)
-                with ReadGradMode(REVERSE_MODE_INSIDE, refusal):
+                with ReadGradMode(REVERSE_MODE_INSIDE, refusal, untrusted_under_transforms):
                     g, g_dot = jvp(G_flat, tuple(z.detach() for z in zs), tuple(v.detach() for v in vs))
                 if not torch.is_grad_enabled():
                     raise refusal("G leaves grad mode off when it returns")

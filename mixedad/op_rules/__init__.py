@@ -67,8 +67,8 @@ from mixedad.op_rules import _attention, _formulas, _frozen_layers, _rnn  # noqa
 from mixedad.op_rules._custom_functions import GRADIENT_HOOKS, forward_pass_custom_function
 from mixedad.op_rules._errors import (FunctionUnderTransformError, NeedsWholeG, OpRuleError, RestartPass,
                                       UnderTransformError)
-from mixedad.op_rules._local import (DROPS_TANGENT, FAILED, KNOWN_WRONG, LIBRARY_OP_RULE, NO_FORMULA, failed_rule,
-                                     forget_failures, remember_failure)
+from mixedad.op_rules._local import (DROPS_TANGENT, FAILED, KNOWN_WRONG, LIBRARY_OP_RULE, NO_FORMULA, SILENTLY_WRONG,
+                                     failed_rule, forget_failures, remember_failure)
 from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, pack
 from mixedad.op_rules._user import register, unregister
 
@@ -129,6 +129,25 @@ def skipping(*paths: Union[Path, str]) -> Iterator[None]:
         yield
     finally:
         _settings.skip = previous
+
+
+def untrusted_under_transforms(func: Any) -> Optional[str]:
+    """Why PyTorch's own formula cannot be trusted for ``func`` inside a torch.func transform, or None.
+
+    The op rules step aside under torch.func (vmap over mixed_grad, mixed_jacobian's batched
+    pass), where PyTorch's formula runs instead. That is right for the rules that only save
+    memory or time, but not for an op whose formula PyTorch gets silently wrong, an op of a
+    library namespace (whose tangent PyTorch may drop), or an op the user gave a rule: those are
+    refused there, and ``mixed_jacobian`` pushes one tangent per pass, with the rules.
+    """
+    rule = TABLE.get(func)
+    if rule is not None and rule.path is Path.USER:
+        return f"{op_name(func)} has a rule registered with mixedad.op_rules.register, which torch.func does not run"
+    if func in SILENTLY_WRONG:
+        return f"PyTorch's forward-AD formula for {op_name(func)} is wrong ({SILENTLY_WRONG[func]})"
+    if is_library_op(func):
+        return f"{op_name(func)} is a library op, whose tangent PyTorch's forward mode may drop"
+    return None
 
 
 class OpRules(TorchFunctionMode):

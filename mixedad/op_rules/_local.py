@@ -132,6 +132,12 @@ for _name in DROPS_TANGENT:
     defrule(Path.LOCAL, *_torch_funcs(_name), reason="PyTorch's formula drops the tangent")(local_rule)
 defrule(Path.LOCAL, F.grid_sample, reason="no forward-AD formula")(local_rule)
 
+#: Torch functions whose PyTorch formula is silently wrong (a wrong tangent, or none where there
+#: should be one): func -> what goes wrong. Under torch.func, where the rules step aside, they are
+#: refused rather than computed by that formula.
+SILENTLY_WRONG = {func: f"{issue}: {what}" for name, (issue, what) in KNOWN_WRONG.items() for func in _torch_funcs(name)}
+SILENTLY_WRONG.update({func: "its formula drops the tangent" for name in DROPS_TANGENT for func in _torch_funcs(name)})
+
 #: Ops of other namespaces than aten (``torch.library.custom_op``, torchvision's C++ ops): PyTorch
 #: has no forward-AD rule for them and may drop their tangent silently, so they take the local rule,
 #: which differentiates the backward they registered.
