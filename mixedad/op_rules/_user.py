@@ -1,8 +1,9 @@
 """Tangent rules that users register for ops mixedad does not know: :func:`register`."""
 import functools
-from typing import Any, Callable, Optional, Sequence, TypeVar
 import weakref
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
+import torch
 
 from mixedad._hooks.function_apply import direct
 from mixedad._hooks.library_ops import registry_keys
@@ -37,6 +38,8 @@ def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
             signature (a Function's ``forward``, without ``ctx``).
         reason: keyword-only; a few words for :func:`mixedad.tangent_report` (default: the rule's
             qualified name).
+
+    ``torch.erf`` and ``torch.Tensor.erf`` are two functions: register each form G calls.
 
     The rule is called as ``rule(op)`` with an :class:`~mixedad.op_rules.OpCall`: ``op.primals``
     and ``op.tangents`` hold the arguments by name (tangents None where an argument carries
@@ -85,6 +88,13 @@ def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
         True
         >>> mixedad.op_rules.unregister(Softsign)
     """
+    if isinstance(op, type) and not issubclass(op, torch.autograd.Function):
+        raise TypeError(f"register({op.__qualname__}): expected a torch function, a torch.library op or a custom "
+                        f"autograd.Function class; {op.__qualname__} is a class but not a Function (for a module, "
+                        f"register the function or Function its forward calls).")
+    if not callable(op):
+        raise TypeError(f"register({op!r}): expected a torch function, a torch.library op or a custom "
+                        f"autograd.Function class, got {type(op).__name__}.")
     keys = registry_keys(op)
 
     def decorate(rule: RuleFunction) -> RuleFunction:

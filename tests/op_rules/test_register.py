@@ -167,3 +167,10 @@ def test_a_rule_returning_the_wrong_shape_of_result_is_a_mixedad_error(registere
 def test_register_refuses_a_rule_that_is_not_callable():
     with pytest.raises(TypeError, match="expected a function rule"):
         register(torch.tan)(42)
+
+
+def test_register_refuses_what_is_not_an_op():
+    with pytest.raises(TypeError, match="Linear is a class but not a Function"):
+        register(torch.nn.Linear)
+    with pytest.raises(TypeError, match="expected a torch function, a torch.library op or a custom"):
+        register("torch.erf")
