@@ -19,14 +19,12 @@ state, which must equal what one plain forward of G leaves (per chunk for ``inpu
 
 The ground truth here deliberately does not use ``mixedad.reference``.
 
-``python tests/test_seams.py`` prints a table of the verdicts now.
+``python -m tests.test_seams`` prints a table of the verdicts now.
 """
 import concurrent.futures
-import contextlib
 import io
 import re
 import types
-import warnings
 
 import pytest
 import torch
@@ -35,10 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import forward_ad
 from torch.autograd.function import Function, once_differentiable
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_map
 
 import mixedad
+
+from tests.seams_common import (attributes as _attributes, math_attention, outer_loss, check as _check,
+                                run_recording, truth_or_error, verdict,
+                                cases_with_open_marked, print_table,
+                                truth_input_grad, truth_mixed_grad)
 
 DT = torch.float64
 RTOL = 1e-9
@@ -2021,94 +2023,10 @@ def tangent_report_then_mixed_grad_no_grad_region():
 # Ground truth: double backward by hand
 # ----------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def math_attention():
-    previous = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(previous)
-
-
-@contextlib.contextmanager
-def grad_mode_restored():
-    previous = torch.is_grad_enabled()
-    try:
-        yield
-    finally:
-        torch.set_grad_enabled(previous)
-
-
-def _leaf_copies(y):
-    return tree_map(lambda t: t.detach().clone().requires_grad_(), y)
-
-
-def _second(gz, y_leaves, v):
-    return list(torch.autograd.grad(gz, y_leaves, v, retain_graph=True))
-
-
-def _first(f, G, zr, yr):
-    (gz,) = torch.autograd.grad(f(yr, G(zr)), zr, create_graph=True)
-    return gz
-
-
-def truth_mixed_grad(f, G, z, y, v):
-    with math_attention(), grad_mode_restored():
-        zr, yr = z.detach().clone().requires_grad_(), _leaf_copies(y)
-        leaves, spec = tree_flatten(yr)
-        return tree_unflatten([g.detach() for g in _second(_first(f, G, zr, yr), leaves, v)], spec)
-
-
-def truth_mixed_jacobian(f, G, z, y):
-    with math_attention(), grad_mode_restored():
-        zr, yr = z.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
-        gz = _first(f, G, zr, yr)
-        rows = []
-        for i in range(z.numel()):
-            e = torch.zeros(z.numel(), dtype=z.dtype)
-            e[i] = 1
-            rows.append(_second(gz, [yr], e.reshape(z.shape))[0].detach())
-        return torch.stack(rows).reshape(*z.shape, *y.shape)
-
-
-def outer_loss(dfdz, W):
-    return (W * dfdz).sum() + 0.5 * (dfdz ** 2).sum()
-
-
-def truth_input_grad(f, G, z, y, W, chunk):
-    with math_attention(), grad_mode_restored():
-        zr, yr = z.detach().clone().requires_grad_(), _leaf_copies(y)
-        total = sum(f(yr, G(zr[i:i + chunk])) for i in range(0, z.shape[0], chunk))
-        (gz,) = torch.autograd.grad(total, zr, create_graph=True)
-        leaves = tree_leaves(yr)
-        return [gz.detach()] + list(torch.autograd.grad(outer_loss(gz, W), leaves))
-
 
 # ----------------------------------------------------------------------------------------------
 # The harness: run, compare, look for leaks
 # ----------------------------------------------------------------------------------------------
-
-_NAMESPACES = {
-    "torch": torch, "torch.Tensor": torch.Tensor, "torch._C.TensorBase": torch._C.TensorBase,
-    "F": F, "torch.autograd": torch.autograd, "torch.autograd.grad_mode": torch.autograd.grad_mode,
-    "no_grad": torch.no_grad, "enable_grad": torch.enable_grad, "set_grad_enabled": torch.set_grad_enabled,
-    "inference_mode": torch.inference_mode, "Function": Function, "forward_ad": forward_ad,
-    "torch.func": torch.func, "nn.Module": nn.Module, "nn.MultiheadAttention": nn.MultiheadAttention,
-    "torch._C": torch._C, "torch.backends.mha": torch.backends.mha,
-}
-
-
-def _attributes():
-    found = {}
-    for label, ns in _NAMESPACES.items():
-        for key, value in list(vars(ns).items()):
-            if isinstance(value, types.ModuleType):
-                continue
-            found[f"{label}.{key}"] = id(value)
-    found["Function.apply.__code__"] = id(Function.__dict__["apply"].__func__.__code__)
-    return found
 
 
 def _modules(p):
@@ -2209,65 +2127,6 @@ def _plain_forward_effects(c, p, rng0):
     return after
 
 
-def _as_list(x):
-    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
-
-
-def rel_error(actual, expected):
-    """max |a - e| / max |e| over all leaves; NaN where the NaN patterns differ."""
-    a_list, e_list = _as_list(actual), _as_list(expected)
-    if len(a_list) != len(e_list):
-        return float("inf")
-    worst_diff, scale = 0.0, 0.0
-    for a, e in zip(a_list, e_list):
-        if a.shape != e.shape:
-            return float("inf")
-        a, e = a.detach().double(), e.detach().double()
-        if not torch.equal(torch.isnan(a), torch.isnan(e)):
-            return float("nan")
-        keep = ~torch.isnan(e)
-        if keep.any():
-            worst_diff = max(worst_diff, (a[keep] - e[keep]).abs().max().item())
-            scale = max(scale, e[keep].abs().max().item())
-    if scale == 0:
-        return 0.0 if worst_diff == 0 else float("inf")
-    return worst_diff / scale
-
-
-def _first_line(error):
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:220]
-
-
-def _run_mixedad(c, p):
-    if hasattr(p, "run"):
-        return p.run()
-    if c.call == "mixed_grad":
-        return mixedad.mixed_grad(p.f, p.G, p.z, p.y, p.v)
-    if c.call == "mixed_jacobian":
-        return mixedad.mixed_jacobian(p.f, p.G, p.z, p.y, chunk_size=c.chunk)
-    if c.call == "input_grad":
-        y = p.y_user
-        dfdz = mixedad.input_grad(p.f, p.G, p.z, y, chunk_size=c.chunk)
-        leaves = tree_leaves(y)
-        grads = torch.autograd.grad(outer_loss(dfdz, p.W), leaves, allow_unused=True)
-        return [dfdz.detach()] + [torch.zeros_like(l) if g is None else g for g, l in zip(grads, leaves)]
-    raise AssertionError(c.call)
-
-
-def _truth(c, p):
-    G = getattr(p, "truth_G", p.G)
-    if hasattr(p, "truth"):
-        return p.truth()
-    if c.call == "mixed_grad":
-        return truth_mixed_grad(p.f, G, p.z, p.y, p.v)
-    if c.call == "mixed_jacobian":
-        return truth_mixed_jacobian(p.f, G, p.z, p.y)
-    if c.call == "input_grad":
-        return truth_input_grad(p.f, G, p.z, p.y, p.W, c.chunk)
-    raise AssertionError(c.call)
-
-
 def evaluate(c):
     """Run one case. Returns (verdict, detail, leaks, warnings, error message or None)."""
     torch.manual_seed(0)
@@ -2281,65 +2140,25 @@ def evaluate(c):
     rng_expected, buffers_expected = _plain_forward_effects(c, p, rng0)
     buffers0 = [b.detach().clone() for b in _buffers(p)]
 
-    truth, truth_error = None, None
     torch.set_rng_state(rng0)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            truth = _truth(c, p)
-    except Exception as error:  # noqa: BLE001: the truth may fail: then only a refusal is right
-        truth_error = error
+    truth, truth_error = truth_or_error(c, p)
     torch.set_rng_state(rng0)
     _restore_buffers(p, buffers0)
 
     attrs_before = _attributes()
     before = _state(p)
     before["buffers"] = buffers_expected
-    result, error = None, None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            result = _run_mixedad(c, p)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    after = _state(p)
-    leaks = _leaks(before, after, attrs_before, rng_expected)
-    messages = [str(w.message).splitlines()[0][:120] for w in caught if "mixedad" in str(w.message)]
+    result, error, caught = run_recording(c, p)
+    leaks = _leaks(before, _state(p), attrs_before, rng_expected)
+    return verdict(result, error, truth, truth_error, leaks, caught, own_error=_own_error, rtol=RTOL)
 
-    if error is not None:
-        text = str(error).strip()
-        if OWN_ERROR.match(text) or isinstance(error, AssertionError) and text.startswith("spot_check("):
-            verdict, detail = "refused", _first_line(error)
-        else:
-            verdict, detail = "crash", _first_line(error)
-        if truth_error is not None:
-            detail += f" (double backward raises too: {_first_line(truth_error)})"
-        return verdict, detail, leaks, messages, text
-    if truth_error is not None:
-        return "answered", f"double backward raises ({_first_line(truth_error)})", leaks, messages, None
-    err = rel_error(result, truth)
-    if err != err:
-        ours_nan = any(torch.isnan(t).any().item() for t in _as_list(result))
-        where = "mixedad's result has NaN, double backward's is finite" if ours_nan else \
-            "double backward has NaN where mixedad's result has none"
-        return "NaN", where, leaks, messages, None
-    if err < RTOL:
-        return "exact", f"rel err {err:.1e}", leaks, messages, None
-    return "wrong", f"rel err {err:.2e}", leaks, messages, None
+
+def _own_error(error, text):
+    return bool(OWN_ERROR.match(text)) or isinstance(error, AssertionError) and text.startswith("spot_check(")
 
 
 def check(c):
-    verdict, detail, leaks, messages, text = evaluate(c)
-    allowed = c.expect.split("|")
-    problems = []
-    if verdict not in allowed:
-        problems.append(f"expected {c.expect}, got {verdict}: {detail}")
-    elif verdict == "refused" and c.match and not re.search(c.match, text):
-        problems.append(f"refused, but the message does not match {c.match!r}: {detail}")
-    if leaks:
-        problems.append("leaked: " + "; ".join(leaks))
-    if problems:
-        pytest.fail(f"[{c.area}] {c.name}: " + " | ".join(problems) + (f" (warnings: {messages})" if messages else ""))
+    _check(c, evaluate)
 
 
 #: Cases still open, each with its reason: strict, so a fix shows up as an unexpected pass.
@@ -2347,8 +2166,7 @@ OPEN = {
 }
 
 
-@pytest.mark.parametrize("c", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=OPEN[c.name]))
-                               if c.name in OPEN else c for c in CASES], ids=[c.name for c in CASES])
+@pytest.mark.parametrize("c", cases_with_open_marked(CASES, OPEN), ids=[c.name for c in CASES])
 def test_seam(c):
     check(c)
 
@@ -2359,25 +2177,4 @@ def test_there_are_enough_cases():
 
 
 if __name__ == "__main__":
-    import sys
-
-    counts = {}
-    print("| area | case | verdict now | expected | detail |")
-    print("|---|---|---|---|---|")
-    for c in CASES:
-        verdict, detail, leaks, messages, text = evaluate(c)
-        label = verdict
-        if verdict == "refused" and c.match and not re.search(c.match, text):
-            label = "refused (unmatched)"
-        if leaks:
-            label += " + leak"
-            detail += " | LEAK: " + "; ".join(leaks)
-        if messages:
-            detail += " | warned: " + "; ".join(messages)
-        ok = verdict in c.expect.split("|") and not leaks and label.split(" +")[0] != "refused (unmatched)"
-        counts[label] = counts.get(label, 0) + 1
-        expect = c.expect.replace("|", " or ")
-        print(f"| {c.area} | {c.name} | {label} | {expect} | {'ok' if ok else 'FAIL'}: {detail.replace('|', '/')} |")
-        sys.stdout.flush()
-    print()
-    print(counts, len(CASES))
+    print_table(CASES, evaluate)

@@ -19,15 +19,13 @@ z, y, v and G's parameters, the values of z, y and v, module training flags, and
 plain forward of G from the same state (per chunk for ``input_grad``): buffers, parameters,
 simple module attributes (ints, floats, tensors: caches and step counters) and the CPU RNG.
 
-``python tests/test_seams_more.py`` prints the table of verdicts now.
+``python -m tests.test_seams_more`` prints the table of verdicts now.
 """
 import collections
-import contextlib
 import dataclasses
 import io
 import re
 import types
-import warnings
 
 import pytest
 import torch
@@ -37,9 +35,14 @@ from torch import nn
 from torch.autograd import forward_ad
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.checkpoint import checkpoint
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_map
 
 import mixedad
+
+from tests.seams_common import (attributes as _attributes, outer_loss, check as _check, run_recording,
+                                truth_or_error, verdict,
+                                cases_with_open_marked, print_table,
+                                truth_input_grad, truth_mixed_grad)
 
 DT = torch.float64
 RTOL = 1e-9
@@ -1317,76 +1320,10 @@ for _name, (_expect, _match) in _FORWARD.items():
 # Ground truth: double backward by hand
 # ----------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def grad_mode_restored():
-    previous = torch.is_grad_enabled()
-    try:
-        yield
-    finally:
-        torch.set_grad_enabled(previous)
-
-
-def _leaf_copies(y):
-    return tree_map(lambda t: t.detach().clone().requires_grad_(), y)
-
-
-def truth_mixed_grad(f, G, z, y, v, zero_ok=False):
-    with grad_mode_restored(), torch.enable_grad():
-        zr, yr = z.detach().clone().requires_grad_(), _leaf_copies(y)
-        leaves, spec = tree_flatten(yr)
-        (gz,) = torch.autograd.grad(f(yr, G(zr)), zr, create_graph=True, allow_unused=zero_ok)
-        if gz is None:
-            return tree_unflatten([torch.zeros_like(l) for l in leaves], spec)
-        grads = torch.autograd.grad(gz, leaves, v, allow_unused=zero_ok)
-        return tree_unflatten([torch.zeros_like(l) if g is None else g.detach() for g, l in zip(grads, leaves)], spec)
-
-
-def truth_mixed_jacobian(f, G, z, y):
-    with grad_mode_restored(), torch.enable_grad():
-        zr, yr = z.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
-        (gz,) = torch.autograd.grad(f(yr, G(zr)), zr, create_graph=True)
-        rows = []
-        for i in range(z.numel()):
-            e = torch.zeros(z.numel(), dtype=z.dtype)
-            e[i] = 1
-            rows.append(torch.autograd.grad(gz, yr, e.reshape(z.shape), retain_graph=True)[0].detach())
-        return torch.stack(rows).reshape(*z.shape, *y.shape)
-
-
-def outer_loss(dfdz, W):
-    return (W * dfdz).sum() + 0.5 * (dfdz ** 2).sum()
-
-
-def truth_input_grad(f, G, z, y, W, chunk, zero_ok=False):
-    with grad_mode_restored(), torch.enable_grad():
-        zr, yr = z.detach().clone().requires_grad_(), _leaf_copies(y)
-        total = sum(f(yr, G(zr[i:i + chunk])) for i in range(0, z.shape[0], chunk))
-        (gz,) = torch.autograd.grad(total, zr, create_graph=True)
-        leaves = tree_leaves(yr)
-        grads = torch.autograd.grad(outer_loss(gz, W), leaves, allow_unused=zero_ok)
-        return [gz.detach()] + [torch.zeros_like(l) if g is None else g for g, l in zip(grads, leaves)]
-
 
 # ----------------------------------------------------------------------------------------------
 # The harness: run, compare, look for leaks
 # ----------------------------------------------------------------------------------------------
-
-_NAMESPACES = {
-    "torch": torch, "torch.Tensor": torch.Tensor, "torch._C.TensorBase": torch._C.TensorBase, "F": F,
-    "torch.autograd": torch.autograd, "forward_ad": forward_ad, "torch.func": torch.func, "nn.Module": nn.Module,
-    "torch._C": torch._C, "torch.autograd.Function": torch.autograd.Function, "nn.LSTM": nn.LSTM,
-    "nn.RNNBase": nn.RNNBase, "torch.utils.checkpoint": torch.utils.checkpoint, "torch._VF": torch._VF,
-}
-
-
-def _attributes():
-    found = {}
-    for label, ns in _NAMESPACES.items():
-        for key, value in list(vars(ns).items()):
-            if not isinstance(value, types.ModuleType):
-                found[f"{label}.{key}"] = id(value)
-    found["Function.apply.__code__"] = id(torch.autograd.Function.__dict__["apply"].__func__.__code__)
-    return found
 
 
 def _all_modules(p):
@@ -1506,67 +1443,6 @@ def _plain(c, p):
             p.G(p.z)
 
 
-def _as_list(x):
-    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
-
-
-def rel_error(actual, expected, atol=0.0):
-    """max |a - e| / max |e| over all leaves (beyond atol); NaN where the NaN patterns differ."""
-    a_list, e_list = _as_list(actual), _as_list(expected)
-    if len(a_list) != len(e_list):
-        return float("inf")
-    worst, scale = 0.0, 0.0
-    for a, e in zip(a_list, e_list):
-        if a.shape != e.shape:
-            return float("inf")
-        a, e = a.detach().to(torch.complex128 if a.is_complex() else DT), e.detach().to(
-            torch.complex128 if e.is_complex() else DT)
-        if not torch.equal(torch.isnan(a), torch.isnan(e)):
-            return float("nan")
-        keep = ~torch.isnan(e)
-        if keep.any():
-            worst = max(worst, (a[keep] - e[keep]).abs().max().item())
-            scale = max(scale, e[keep].abs().max().item())
-    worst = max(worst - atol, 0.0)
-    if scale == 0:
-        return 0.0 if worst == 0 else float("inf")
-    return worst / scale
-
-
-def _first_line(error):
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
-
-
-def _run_mixedad(c, p):
-    if hasattr(p, "run"):
-        return p.run()
-    if c.call == "mixed_grad":
-        return mixedad.mixed_grad(p.f, p.G, p.z, p.y, p.v, strategy=c.strategy)
-    if c.call == "mixed_jacobian":
-        return mixedad.mixed_jacobian(p.f, p.G, p.z, p.y, chunk_size=c.chunk, strategy=c.strategy)
-    if c.call == "input_grad":
-        dfdz = mixedad.input_grad(p.f, p.G, p.z, p.y_user, chunk_size=c.chunk, strategy=c.strategy)
-        leaves = tree_leaves(p.y_user)
-        grads = torch.autograd.grad(outer_loss(dfdz, p.W), leaves, allow_unused=True)
-        return [dfdz.detach()] + [torch.zeros_like(l) if g is None else g for g, l in zip(grads, leaves)]
-    raise AssertionError(c.call)
-
-
-def _truth(c, p):
-    if hasattr(p, "truth"):
-        return p.truth()
-    G = getattr(p, "truth_G", p.G)
-    zero_ok = getattr(p, "zero_ok", False)
-    if c.call == "mixed_grad":
-        return truth_mixed_grad(p.f, G, p.z, p.y, p.v, zero_ok)
-    if c.call == "mixed_jacobian":
-        return truth_mixed_jacobian(p.f, G, p.z, p.y)
-    if c.call == "input_grad":
-        return truth_input_grad(p.f, G, p.z, p.y, p.W, c.chunk, zero_ok)
-    raise AssertionError(c.call)
-
-
 def evaluate(c):
     """Run one case. Returns (verdict, detail, leaks, warnings, error text or None)."""
     torch.manual_seed(0)
@@ -1583,25 +1459,13 @@ def evaluate(c):
     _plain(c, p)
     expected_effects = _effects(p)
 
-    truth, truth_error = None, None
     _set_state(p, state0)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            truth = _truth(c, p)
-    except Exception as error:  # noqa: BLE001: the truth may fail: then only a refusal is right
-        truth_error = error
+    truth, truth_error = truth_or_error(c, p)
     _set_state(p, state0)
 
     attrs_before = _attributes()
     context_before, flags_before = _context(), _flags(p)
-    result, error = None, None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            result = _run_mixedad(c, p)
-        except Exception as e:  # noqa: BLE001
-            error = e
+    result, error, caught = run_recording(c, p)
     leaks = []
     context_after, flags_after = _context(), _flags(p)
     for key, value in context_before.items():
@@ -1626,43 +1490,13 @@ def evaluate(c):
         leaks += [x + " (and from G before the call)" for x in _compare_effects(state0, now)]
     if hasattr(p, "after") and error is None:
         leaks += p.after()
-    messages = [str(w.message).splitlines()[0][:120] for w in caught if "mixedad" in str(w.message)]
     rtol = getattr(p, "rtol", None) or c.rtol
-
-    if error is not None:
-        text = str(error).strip()
-        if OWN_ERROR.match(text):
-            verdict, detail = "refused", _first_line(error)
-        else:
-            verdict, detail = "crash", _first_line(error)
-        if truth_error is not None:
-            detail += f" (double backward raises too: {_first_line(truth_error)})"
-        return verdict, detail, leaks, messages, text
-    if truth_error is not None:
-        return "answered", f"double backward raises ({_first_line(truth_error)})", leaks, messages, None
-    err = rel_error(result, truth, getattr(p, "atol", 0.0))
-    if err != err:
-        ours_nan = any(torch.isnan(t).any().item() for t in _as_list(result))
-        where = "mixedad's result has NaN, double backward's is finite" if ours_nan else \
-            "double backward has NaN where mixedad's result has none"
-        return "NaN", where, leaks, messages, None
-    if err < rtol:
-        return "exact", f"rel err {err:.1e}", leaks, messages, None
-    return "wrong", f"rel err {err:.2e} (rtol {rtol:.0e})", leaks, messages, None
+    return verdict(result, error, truth, truth_error, leaks, caught, own_error=lambda error, text: bool(OWN_ERROR.match(text)),
+                   rtol=rtol, atol=getattr(p, "atol", 0.0))
 
 
 def check(c):
-    verdict, detail, leaks, messages, text = evaluate(c)
-    allowed = c.expect.split("|")
-    problems = []
-    if verdict not in allowed:
-        problems.append(f"expected {c.expect}, got {verdict}: {detail}")
-    elif verdict == "refused" and c.match and not re.search(c.match, text, re.S):
-        problems.append(f"refused, but the message does not match {c.match!r}: {detail}")
-    if leaks:
-        problems.append("leaked: " + "; ".join(leaks))
-    if problems:
-        pytest.fail(f"[{c.area}] {c.name}: " + " | ".join(problems) + (f" (warnings: {messages})" if messages else ""))
+    _check(c, evaluate)
 
 
 #: Cases still open, each with its reason: strict, so a fix shows up as an unexpected pass.
@@ -1673,8 +1507,7 @@ OPEN = {
 }
 
 
-@pytest.mark.parametrize("c", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=OPEN[c.name]))
-                               if c.name in OPEN else c for c in CASES], ids=[c.name for c in CASES])
+@pytest.mark.parametrize("c", cases_with_open_marked(CASES, OPEN), ids=[c.name for c in CASES])
 def test_seam(c):
     check(c)
 
@@ -1685,25 +1518,4 @@ def test_there_are_enough_cases():
 
 
 if __name__ == "__main__":
-    import sys
-
-    counts = {}
-    print("| area | case | verdict now | expected | detail |")
-    print("|---|---|---|---|---|")
-    for c in CASES:
-        verdict, detail, leaks, messages, text = evaluate(c)
-        label = verdict
-        if verdict == "refused" and c.match and not re.search(c.match, text, re.S):
-            label = "refused (unmatched)"
-        if leaks:
-            label += " + leak"
-            detail += " | LEAK: " + "; ".join(leaks)
-        if messages:
-            detail += " | warned: " + "; ".join(messages)
-        ok = verdict in c.expect.split("|") and not leaks and label.split(" +")[0] != "refused (unmatched)"
-        counts[label] = counts.get(label, 0) + 1
-        expect = c.expect.replace("|", " or ")
-        print(f"| {c.area} | {c.name} | {label} | {expect} | {'ok' if ok else 'FAIL'}: {detail.replace('|', '/')} |")
-        sys.stdout.flush()
-    print()
-    print(counts, len(CASES))
+    print_table(CASES, evaluate)
