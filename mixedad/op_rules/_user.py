@@ -15,6 +15,7 @@ __all__ = ["register", "unregister"]
 RuleFunction = TypeVar("RuleFunction", bound=Callable[..., Any])
 
 _WARNED: "weakref.WeakSet" = weakref.WeakSet()
+_REPLACED: dict = {}  # op -> mixedad's own rule that a user's rule replaced
 
 
 def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
@@ -57,7 +58,8 @@ def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
 
     Returns:
         A decorator that registers the rule and returns it unchanged. Registering again replaces
-        the rule (mixedad's own included); :func:`unregister` removes it.
+        the rule (mixedad's own included); :func:`unregister` removes it and brings mixedad's own
+        rule back.
 
     Example:
         A third-party Function without ``jvp`` (mixedad would otherwise differentiate its
@@ -103,6 +105,9 @@ def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
         owner = getattr(rule, "__qualname__", repr(rule))
         checked = _checked_first(rule)
         for key in keys:
+            previous = TABLE.get(key)
+            if previous is not None and previous.path is not Path.USER:
+                _REPLACED[key] = previous  # mixedad's own rule, back on unregister
             TABLE[key] = Rule(Path.USER, checked, reason or owner, arguments_of(key, arguments), owner)
         return rule
 
@@ -110,9 +115,15 @@ def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
 
 
 def unregister(op: Any) -> None:
-    """Remove the rule registered for ``op`` (mixedad's own rule for it is not restored)."""
+    """Remove the rule registered for ``op``; mixedad's own rule for it, if it had one, comes back."""
     for key in registry_keys(op):
-        TABLE.pop(key, None)
+        rule = TABLE.get(key)
+        if rule is None or rule.path is not Path.USER:
+            continue
+        if key in _REPLACED:
+            TABLE[key] = _REPLACED.pop(key)
+        else:
+            del TABLE[key]
 
 
 def _checked_first(rule):

@@ -174,3 +174,26 @@ def test_register_refuses_what_is_not_an_op():
         register(torch.nn.Linear)
     with pytest.raises(TypeError, match="expected a torch function, a torch.library op or a custom"):
         register("torch.erf")
+
+
+def test_unregister_brings_mixedads_own_rule_back():
+    import torch.nn.functional as F
+
+    from mixedad.op_rules import TABLE
+
+    own = TABLE[F.linear]
+
+    @register(F.linear, arguments=("input", "weight", "bias"))
+    def linear_tangent(op):
+        return op.primal(), op.primal(input=op.tangents["input"], bias=None)
+
+    try:
+        assert TABLE[F.linear].path is Path.USER
+        G = mixedad.zoo.mlp(2, 4, dtype=F64)
+        z = torch.randn(3, 4, dtype=F64)
+        assert "torch.nn.functional.linear" in mixedad.tangent_report(G, z).ops("user rule")
+    finally:
+        unregister(F.linear)
+    assert TABLE[F.linear] is own
+    unregister(F.linear)  # nothing of the user's left: mixedad's own rule stays
+    assert TABLE[F.linear] is own
