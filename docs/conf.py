@@ -24,25 +24,30 @@ myst_enable_extensions = ["dollarmath", "amsmath"]
 nb_execution_mode = "off"  # the notebooks are run by make test (nbmake); the site shows them as stored
 html_theme = "furo"
 html_title = f"mixedad {release}"
-exclude_patterns = ["_build", "_generated/README.md"]
+exclude_patterns = ["_build", "_generated"]  # _generated/ is included into pages, not a page itself
 autodoc_member_order = "bysource"
 autodoc_default_options = {"members": True, "undoc-members": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_ivar = True  # "Attributes:" as fields, not a second description of each attribute
 myst_heading_anchors = 3
-suppress_warnings = ["myst.header"]  # pages start at level 2 under their title in a few places
+
+
+def _label(path):
+    """A path's label: PATHS holds str Enum members (or plain strings)."""
+    return str(path.value) if hasattr(path, "value") else str(path)
 
 
 def _op_paths_table():
     """The op-paths table, generated from mixedad.op_rules: docs and code cannot drift apart."""
     ops = {}
     for func, rule in TABLE.items():
-        ops.setdefault(rule.path, set()).add(op_name(func))
+        ops.setdefault(_label(rule.path), set()).add(op_name(func))
     rows = ["| path | what it does | ops in the table |", "|---|---|---|"]
     for path in PATHS:
-        names = ", ".join(f"`{n}`" for n in sorted(ops.get(path, ()))) or "(decided at run time)"
-        rows.append(f"| `{path.value}` | {path.description} | {names} |")
+        label = _label(path)
+        names = ", ".join(f"`{n}`" for n in sorted(ops.get(label, ()))) or "(decided at run time)"
+        rows.append(f"| `{label}` | {getattr(path, 'description', '')} | {names} |")
     return "\n".join(rows) + "\n"
 
 

@@ -29,10 +29,12 @@ because absolute times on a shared machine are noise.
 import contextlib
 import gc
 import json
+import os
 import pathlib
 import statistics
 import sys
 import warnings
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
 
 import torch
 from torch.autograd import forward_ad
@@ -47,7 +49,7 @@ from mixedad.testing import max_relative_error
 __all__ = ["profile", "markdown", "write", "STRATEGIES", "DEFAULT_STRATEGIES", "MODELS"]
 
 
-def frozen_linear_tangent_kernel():
+def frozen_linear_tangent_kernel() -> Optional[Callable[..., torch.Tensor]]:
     """The kernel the frozen-layer rule uses for a float32 ``F.linear`` tangent on the CPU, or None.
 
     oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``) where this build has it and it
@@ -59,7 +61,7 @@ def frozen_linear_tangent_kernel():
     return onednn_linear_op()
 
 
-def objective(y, g):
+def objective(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """The benchmark's cheap f(y, g) = sum((y + g)^3), as in the design notes."""
     return ((y + g) ** 3).sum()
 
@@ -115,7 +117,7 @@ def _mixed_grad_math_attention(f, G, z, y, v):
         return mixed_grad(f, G, z, y, v)
 
 
-STRATEGIES = {
+STRATEGIES: Dict[str, Callable[..., Any]] = {
     "mixed_grad": mixed_grad,
     "double_backward": double_backward_mixed_grad,
     "func_grad_of_grad": _func_grad_of_grad,
@@ -126,10 +128,11 @@ STRATEGIES = {
     "mixed_grad_math_attention": _mixed_grad_math_attention,
 }
 #: what ``profile`` runs when no strategies are named
-DEFAULT_STRATEGIES = ("mixed_grad", "double_backward", "func_grad_of_grad", "forward_ad_recipe", "plain_forward")
+DEFAULT_STRATEGIES: Tuple[str, ...] = ("mixed_grad", "double_backward", "func_grad_of_grad", "forward_ad_recipe",
+                                       "plain_forward")
 
 #: model name -> (builder(depth, width, dtype, device), what depth means, batch shape of z)
-MODELS = {
+MODELS: Dict[str, Tuple[Callable[..., torch.nn.Module], str]] = {
     "mlp": (lambda d, w, **kw: zoo.mlp(d, w, **kw), "Linear layers"),
     "dcgan": (lambda d, w, **kw: zoo.dcgan(latent_dim=100, channels=w, image_size=32, extra_blocks=d, **kw),
               "extra 3x3 conv blocks per scale"),
@@ -146,7 +149,8 @@ MODELS = {
 }
 
 
-def build(model, depth, width, batch, dtype, device, seed=0):
+def build(model: str, depth: int, width: int, batch: int, dtype: torch.dtype, device: Union[str, torch.device],
+          seed: int = 0) -> Tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(G, z, y, v) for one benchmark point."""
     G = MODELS[model][0](depth, width, seed=seed, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(seed)
@@ -170,20 +174,21 @@ def _cuda_median_time(fn, repeats):
     return statistics.median(times)
 
 
-def peak(fn, device):
+def peak(fn: Callable[[], Any], device: Union[str, torch.device]) -> Tuple[Any, int]:
     """(result, peak bytes) of ``fn()``: the CUDA allocator's peak, or the exact CPU count."""
     if torch.device(device).type == "cuda":
         return cuda_peak_memory(fn, device=device)
     return cpu_peak_memory(fn)
 
 
-def interleaved_times(fns, device, repeats):
+def interleaved_times(fns: Mapping[str, Callable[[], Any]], device: Union[str, torch.device],
+                      repeats: int) -> Dict[str, float]:
     """Median seconds of each of ``fns`` (a dict), timed round-robin so all see the same machine."""
     timer = (lambda fn: _cuda_median_time(fn, 1)) if torch.device(device).type == "cuda" else \
         (lambda fn: median_time(fn, repeats=1, warmup=0))
     for fn in fns.values():
         fn()  # warm-up
-    samples = {name: [] for name in fns}
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()
@@ -197,8 +202,10 @@ def interleaved_times(fns, device, repeats):
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def profile(model, depths, *, width, batch, dtype=torch.float32, device="cpu", strategies=None,
-            repeats=5, trace_dir=None, stream=None):
+def profile(model: str, depths: Sequence[int], *, width: int, batch: int, dtype: torch.dtype = torch.float32,
+            device: Union[str, torch.device] = "cpu", strategies: Optional[Sequence[str]] = None,
+            repeats: int = 5, trace_dir: Union[str, os.PathLike[str], None] = None,
+            stream: Optional[TextIO] = None) -> List[Dict[str, Any]]:
     r"""Run every strategy at every depth, side by side; returns one row dict per (depth, strategy).
 
     .. math::
@@ -271,7 +278,7 @@ def _trace(fn, device, path):
     prof.export_chrome_trace(str(path))
 
 
-def markdown(rows):
+def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     r"""A markdown table of :func:`profile`'s rows, one line per row with its ratios.
 
     .. math::
@@ -297,7 +304,7 @@ def markdown(rows):
     return "\n".join(lines)
 
 
-def plot(rows, path, title):
+def plot(rows: Sequence[Mapping[str, Any]], path: pathlib.Path, title: str) -> None:
     """Peak memory and time against depth, one line per strategy, saved as a PNG."""
     import matplotlib
 
@@ -324,7 +331,8 @@ def plot(rows, path, title):
     plt.close(fig)
 
 
-def write(rows, out_dir, stem, title):
+def write(rows: Sequence[Mapping[str, Any]], out_dir: Union[str, os.PathLike[str]], stem: str,
+          title: str) -> List[pathlib.Path]:
     r"""Write ``stem``.json, .md and .png into out_dir; returns the three paths.
 
     .. math::

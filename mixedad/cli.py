@@ -1,17 +1,18 @@
 """Command line: ``python -m mixedad demo`` and ``python -m mixedad profile``."""
 import argparse
 import pathlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["main", "build_parser", "run_profile"]
+__all__ = ["main", "build_parser", "run_profile", "DTYPES", "DEMO_DTYPES", "PROFILE_DEFAULTS"]
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES: Dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
 #: the demo also runs in half precision, which mixedad handles; profiling stays in float32/64
-DEMO_DTYPES = {**DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEMO_DTYPES: Dict[str, torch.dtype] = {**DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mixedad", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="mixed_grad vs double backward on a deep random generator")
@@ -43,8 +44,9 @@ def build_parser():
 
 
 #: model -> (width, batch) used when --width / --batch are not given
-PROFILE_DEFAULTS = {"mlp": (512, 256), "dcgan": (32, 32), "resnet": (32, 32), "transformer": (64, 32),
-                    "stylegan2_ada": (32, 8), "vq_decoder": (32, 8)}
+PROFILE_DEFAULTS: Dict[str, Tuple[int, int]] = {"mlp": (512, 256), "dcgan": (32, 32), "resnet": (32, 32),
+                                                "transformer": (64, 32), "stylegan2_ada": (32, 8),
+                                                "vq_decoder": (32, 8)}
 
 
 def _check_device(command, device):
@@ -70,7 +72,7 @@ def _check_out(command, out):
         raise SystemExit(f"python -m mixedad {command}: cannot write to --out {out} ({error.strerror}).") from error
 
 
-def run_profile(args):
+def run_profile(args: argparse.Namespace) -> List[Dict[str, Any]]:
     from mixedad import benchmark
 
     _check_device("profile", args.device)
@@ -93,7 +95,7 @@ def run_profile(args):
     return rows
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from mixedad.demo import run_demo

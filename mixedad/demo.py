@@ -6,6 +6,7 @@ time side by side.
 """
 import sys
 import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
 
 import torch
 
@@ -18,12 +19,14 @@ from mixedad.testing import max_relative_error
 __all__ = ["run_demo", "build_problem", "objective", "format_table"]
 
 
-def objective(y, g):
+def objective(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """The demo's cheap objective, f(y, g) = sum((y + g)^3) + sum(sin(y) g)."""
     return ((y + g) ** 3).sum() + (torch.sin(y) * g).sum()
 
 
-def build_problem(model, depth, width, batch, dtype, device, seed=0):
+def build_problem(model: str, depth: int, width: int, batch: int, dtype: torch.dtype,
+                  device: Union[str, torch.device],
+                  seed: int = 0) -> Tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A zoo generator and inputs (G, z, y, v) for the demo and its tests."""
     if model == "mlp":
         G = zoo.mlp(depth, width, seed=seed, dtype=dtype, device=device)
@@ -44,8 +47,9 @@ def _log(msg, out):
     print(msg, file=out, flush=True)
 
 
-def run_demo(*, model="mlp", depth=64, width=512, batch=256, dtype=torch.float64, device="cpu",
-             repeats=3, out=None):
+def run_demo(*, model: str = "mlp", depth: int = 64, width: int = 512, batch: int = 256,
+             dtype: torch.dtype = torch.float64, device: Union[str, torch.device] = "cpu", repeats: int = 3,
+             out: Optional[TextIO] = None) -> List[Dict[str, Any]]:
     """Run the comparison and print the table (to ``out``, standard output by default). Returns the rows."""
     out = sys.stdout if out is None else out  # looked up per call: stdout may be redirected after import
     started = time.perf_counter()
@@ -94,7 +98,7 @@ def run_demo(*, model="mlp", depth=64, width=512, batch=256, dtype=torch.float64
     return rows
 
 
-def format_table(rows):
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown table of the demo's rows."""
     lines = [
         "| method | max rel error | fd check | peak memory | time | peak ratio | time ratio |",

@@ -1,19 +1,20 @@
 """Helpers for verifying mixedad's results against a reference, in tests, notebooks and the demo."""
-from typing import Any, Callable, List, Optional, Sequence, TextIO, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Union
 import torch
 
 from mixedad._hooks.pytree import tree_flatten
 
-__all__ = ["max_relative_error", "assert_close", "check_generator", "spot_check"]
+__all__ = ["max_relative_error", "assert_close", "check_generator", "spot_check", "RTOL", "ROUNDOFF_EPS", "PROBES"]
 
 #: Default relative tolerances by dtype, for comparing mixedad with a reference.
-RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+RTOL: Dict[torch.dtype, float] = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2,
+                                  torch.bfloat16: 1e-2}
 
 
 #: Round-off allowed by :func:`spot_check`, in units of the dtype's eps times the size of the
 #: terms that make each entry. Measured here: float64 and float32 honest results differ by at
 #: most about 14 such units (the zoo, and MLPs of depth 1 to 16 whose exact answer is zero).
-ROUNDOFF_EPS = 64
+ROUNDOFF_EPS: int = 64
 
 
 def _check_atol(call, atol):
@@ -284,7 +285,7 @@ def spot_check(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: torch.T
 
 
 #: How many Gaussian probes :func:`spot_check` averages to size the terms of each entry.
-PROBES = 2
+PROBES: int = 2
 
 
 def _term_sizes(f, G, z, y, v, strategy, undo):

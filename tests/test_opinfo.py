@@ -1,11 +1,24 @@
 """PyTorch's own OpInfo database: mixed_grad agrees with double backward on every op, or raises.
 
-One test per op, named by its OpInfo name (``-k linalg.cholesky`` runs just that one), marked
-``slow`` (``make test-quick`` leaves them out; ``make test`` and CI run them all). For every op in
-``op_db`` that supports double backward in float64, over its sample inputs (``SAMPLES_PER_OP``), G maps a flat z to the op applied to the sample's
-differentiable tensors (all of them, then only the first, so the frozen-layer rules on linear,
-convolution and batch norm are taken too), and f(y, g) = <y, g>, so that mixed_grad is
-J_G v entry by entry. Each case ends one way:
+For every op in ``op_db`` that supports double backward in float64, over its sample inputs (all
+of them, or the first N with ``MIXEDAD_OPINFO_SAMPLES=N``), G maps a flat z to the op applied to
+the sample's differentiable tensors (all of them, then only the first, so the frozen-layer rules
+on linear, convolution and batch norm are taken too), and f(y, g) = <y, g>, so that mixed_grad
+is J_G v entry by entry.
+
+One test per OpInfo entry, ``test_op_agrees_with_double_backward_or_raises[<name>]``, where
+``<name>`` is the entry's full name (``op.name``, then ``.`` and ``op.variant_test_name`` when
+there is one: ``linalg.cholesky``, ``nn.functional.conv2d``, ``mvlgamma.mvlgamma_p_1``). Each
+runs every case of its op and fails listing that op's bad cases; an op whose sample generator
+raises is skipped with the reason. The tests are marked ``slow``: ``make test-quick``
+(``-m "not slow"``) leaves them out and keeps only the cheap check that the frozen-layer ops
+pass; ``make test`` and CI run them all. To run one op::
+
+    pytest tests/test_opinfo.py -k linalg.cholesky     # also linalg.cholesky_ex: -k matches substrings
+    pytest tests/test_opinfo.py -k "linalg.cholesky]"  # that entry only (the id ends with "]")
+
+Dots (and ``-``, ``[``, ``]``) are part of a ``-k`` name, so names need no quoting beyond the
+shell's. Each case ends one way:
 
 - ``pass``: mixed_grad equals double backward (relative error <= 1e-7, float64);
 - ``refused``: mixedad raised an error of its own that names the call, and double backward
@@ -15,7 +28,11 @@ J_G v entry by entry. Each case ends one way:
   differences;
 - anything else is a failure, reported with the op, the sample and the error.
 
-The report of each case also counts which path its ops took (local rule, whole-G fallback).
+Cases whose G cannot run on a fresh z (a sample that depends on its input's storage) or has no
+nonempty floating output are ``skipped`` and count as fine. Each case also records which path its
+ops took (local rule, whole-G fallback); with ``-s`` the module prints a summary of the ops that
+ran (outcome counts, and which ops took the local rule, the whole-G fallback, a refusal or
+finite differences) when it ends.
 """
 import math
 import os
@@ -31,8 +48,8 @@ from mixedad.reference import double_backward_mixed_grad, finite_difference_mixe
 common = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 
 F64 = torch.float64
-#: Sample inputs per op: all of them by default (about 2.5 minutes on 2 cores with torch 2.13);
-#: MIXEDAD_OPINFO_SAMPLES=N takes the first N of each op, for a quick run.
+#: Sample inputs per op: all of them by default (the whole module takes about 1.5 minutes on 2
+#: cores with torch 2.13); MIXEDAD_OPINFO_SAMPLES=N takes the first N of each op, for a quick run.
 SAMPLES_PER_OP = int(os.environ.get("MIXEDAD_OPINFO_SAMPLES", "0")) or None
 RTOL = 1e-7
 
@@ -174,21 +191,30 @@ OPS = _ops()
 
 @pytest.fixture(autouse=True)
 def fresh_state():
-    """Each op starts with no remembered formula failures, as the first call in a process does."""
+    """Each op starts with no remembered formula failures, as the first call in a process does.
+
+    (tests/conftest.py clears mixedad's warn-once memory around every test as well.)
+    """
     mixedad.op_rules.forget_failures()
     yield
     mixedad.op_rules.forget_failures()
 
 
+FINE = ("pass", "refused", "finite differences", "skipped")
+
+
 def outcomes_of(op):
     """[(sample index, first input only, outcome, paths)] for every sample of ``op``."""
-    try:
-        samples = list(op.sample_inputs("cpu", F64, requires_grad=True))[:SAMPLES_PER_OP]
-    except Exception as error:  # noqa: BLE001  (a sample generator that needs something we lack)
-        pytest.skip(f"{_op_id(op)}: its sample generator raises {type(error).__name__}: {error}")
     results = []
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # deprecations in samples; the whole-G fallback's warning
+        # Deprecations and beta notices in samples (pytest makes warnings errors; the sparse CSR
+        # beta warning would otherwise fail sparse.sampled_addmm's generator); the whole-G
+        # fallback's warning.
+        warnings.simplefilter("ignore")
+        try:
+            samples = list(op.sample_inputs("cpu", F64, requires_grad=True))[:SAMPLES_PER_OP]
+        except Exception as error:  # noqa: BLE001  (a sample generator that needs something we lack)
+            pytest.skip(f"{_op_id(op)}: its sample generator raises {type(error).__name__}: {error}")
         for k, sample in enumerate(samples):
             for first_only in (False, True):
                 case = _case(op, sample, first_only)
@@ -199,12 +225,40 @@ def outcomes_of(op):
     return results
 
 
+def _summary(swept):
+    """The sweep in a few lines: counts by outcome, and the ops on each path (``{op id: outcomes}``)."""
+    cases = [(name, *case) for name, results in swept.items() for case in results]
+    counts = {}
+    for *_, outcome, _ in cases:
+        key = outcome.split(":")[0]
+        counts[key] = counts.get(key, 0) + 1
+    local = sum(1 for *_, o, p in cases if p.get("local") and o in ("pass", "finite differences"))
+    whole = sum(1 for *_, o, p in cases if p.get("whole-G") and o in ("pass", "finite differences"))
+    samples = len({(name, k) for name, k, *_ in cases})
+    lines = [f"OpInfo: {len(swept)} ops, {samples} samples, {len(cases)} cases; {counts}; "
+             f"local rule in {local} passing cases, whole-G fallback in {whole}"]
+    for label, pick in [("local rule", lambda o, p: p.get("local")),
+                        ("whole-G fallback", lambda o, p: p.get("whole-G")),
+                        ("refused", lambda o, p: o == "refused"),
+                        ("finite differences", lambda o, p: o == "finite differences")]:
+        lines.append(f"  {label}: {sorted({name for name, _, _, o, p in cases if pick(o, p)})}")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def swept():
+    """{op id: outcomes} of the per-op tests that ran; its summary is printed when the module ends."""
+    results = {}
+    yield results
+    if results:
+        print("\n" + _summary(results))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("op", OPS, ids=_op_id)
-def test_op_agrees_with_double_backward_or_raises(op):
-    results = outcomes_of(op)
-    bad = [(k, first, outcome) for k, first, outcome, _ in results
-           if outcome not in ("pass", "refused", "finite differences", "skipped")]
+def test_op_agrees_with_double_backward_or_raises(op, swept):
+    results = swept[_op_id(op)] = outcomes_of(op)
+    bad = [(k, first, outcome) for k, first, outcome, _ in results if outcome not in FINE]
     assert not bad, "\n".join(f"{_op_id(op)} sample {k} (first input only: {first}): {outcome}"
                               for k, first, outcome in bad[:40])
 
@@ -215,4 +269,4 @@ def test_frozen_layer_rules_are_among_the_cases(name):
     op = next(op for op in OPS if _op_id(op) == name)
     results = outcomes_of(op)
     assert any(first and outcome == "pass" for _, first, outcome, _ in results)
-    assert all(outcome in ("pass", "refused", "finite differences", "skipped") for _, _, outcome, _ in results)
+    assert all(outcome in FINE for _, _, outcome, _ in results)

@@ -13,6 +13,8 @@ generator's well-conditioned Jacobian: walking the layers in order with a random
 tangent, each Linear or convolution weight is rescaled so that the tangent leaves it with unit
 standard deviation (a data-independent form of LSUV initialisation, applied to J_G v).
 """
+from typing import Callable, Dict, Tuple
+
 from torch import nn
 
 from mixedad.zoo._classic import _Reshape, dcgan, mlp, resnet
@@ -26,7 +28,7 @@ __all__ = ["mlp", "dcgan", "resnet", "stylegan", "stylegan2_ada", "transformer",
 
 
 #: Every member with small default sizes, by name: ``MEMBERS[name](dtype=..., seed=...)``.
-MEMBERS = {
+MEMBERS: Dict[str, Callable[..., nn.Module]] = {
     "mlp": lambda **kw: mlp(4, 16, **kw),
     "dcgan": lambda **kw: dcgan(latent_dim=8, channels=4, image_size=8, extra_blocks=1, **kw),
     "resnet_batchnorm": lambda **kw: resnet(latent_dim=8, channels=8, image_size=8, **kw),
@@ -39,7 +41,7 @@ MEMBERS = {
 }
 
 
-def latent_shape(G, batch):
+def latent_shape(G: nn.Module, batch: int) -> Tuple[int, int]:
     r"""The shape of a batch of inputs for a zoo member: (batch, in_features or latent_dim).
 
     .. math::
