@@ -18,19 +18,16 @@ benchmarks/results/attention_cpu.{json,md,png}.
 
     python benchmarks/attention_vs_length.py [--out DIR] [--repeats N] [--quick]
 """
-import argparse
 import json
-import pathlib
 import sys
 
 import torch
 from tqdm.auto import tqdm
 
 import mixedad
-from mixedad.benchmark import STRATEGIES, interleaved_times, objective, peak
+from mixedad.benchmark import STRATEGIES, interleaved_times, objective, peak, script_arguments
 from mixedad.testing import max_relative_error
 
-HERE = pathlib.Path(__file__).resolve().parent
 QUADRATIC = ("mixed_grad_math_attention", "double_backward")
 
 
@@ -107,11 +104,8 @@ def targets(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser = script_arguments(__file__, __doc__, repeats=9, quick="short sequences, to check the pipeline")
     parser.add_argument("--max-baseline", type=int, default=4096)
-    parser.add_argument("--quick", action="store_true", help="short sequences, to check the pipeline")
     args = parser.parse_args(argv)
     lengths = [64, 128] if args.quick else [256, 512, 1024, 2048, 4096, 8192]
     G = mixedad.zoo.attention_stack(64, nhead=4, layers=2)

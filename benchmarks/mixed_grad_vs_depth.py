@@ -18,15 +18,12 @@ reported for information, without a limit.
 
 ``--quick`` runs tiny models, to check the pipeline end to end in seconds (its ratios mean nothing).
 """
-import argparse
 import json
-import pathlib
 import sys
 
-from mixedad.benchmark import DEFAULT_STRATEGIES
+from mixedad.benchmark import DEFAULT_STRATEGIES, script_arguments
 from mixedad.cli import main as mixedad_main
 
-HERE = pathlib.Path(__file__).resolve().parent
 
 
 def targets(out):
@@ -55,10 +52,7 @@ def targets(out):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--quick", action="store_true", help="tiny models: a smoke test of the pipeline")
+    parser = script_arguments(__file__, __doc__, repeats=15, quick="tiny models: a smoke test of the pipeline")
     args = parser.parse_args(argv)
     common = ["--out", str(args.out), "--repeats", str(args.repeats)]
     mlp = ["--depths", "4", "8", "16", "32", "64"]

@@ -13,12 +13,9 @@ and prints a markdown table of peak memory by depth.
 
     python benchmarks/op_rules_vs_depth.py [--out DIR] [--repeats N] [--quick]
 """
-import argparse
-import pathlib
 
 from mixedad import benchmark
 
-HERE = pathlib.Path(__file__).resolve().parent
 STRATEGIES = ["mixed_grad", "mixed_grad_no_local_rule", "double_backward", "plain_forward"]
 SETTINGS = {"stylegan2_ada": dict(width=32, batch=8), "vq_decoder": dict(width=32, batch=8)}
 
@@ -38,10 +35,7 @@ def table(rows_by_model):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="tiny models, to check the pipeline")
+    parser = benchmark.script_arguments(__file__, __doc__, repeats=3, quick="tiny models, to check the pipeline")
     args = parser.parse_args(argv)
     depths = [1, 2] if args.quick else [2, 8, 32]
     rows_by_model = {}

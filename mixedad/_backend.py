@@ -25,7 +25,8 @@ from mixedad._hooks.functorch import in_functorch_transform, under_differentiati
 from mixedad._hooks.pytree import differentiable, graph_inputs, tree_flatten, tree_unflatten
 
 
-def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, *, create_graph):
+def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, *, create_graph,
+                            batched=False):
     r"""Reverse-mode back end: :math:`\partial_y \langle \nabla_g f(y, g), \dot g\rangle`.
 
     Only f's (cheap) graph is ever built. Neither path touches the requires_grad flags of y, and
@@ -36,6 +37,10 @@ def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves,
     once more along :math:`\dot g`. Inside them (``torch.func.vmap`` over mixed_grad, say), where
     ``torch.autograd.grad`` cannot be batched: the directional derivative of f along
     :math:`\dot g` by ``torch.func.jvp`` and its gradient in y by ``torch.func.grad``.
+
+    With ``batched`` (outside transforms only), each tangent leaf carries a leading dimension k
+    (a batch of tangents): f's gradient is built once and differentiated once per tangent, and
+    each result has that leading dimension.
     """
     if in_functorch_transform():
         return _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph)
@@ -49,11 +54,21 @@ def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves,
                  if out.requires_grad and g_work else [])
         tangents = [tangent_leaves[i] for i in index]
         pairs = [(d, t) for d, t in zip(df_dg, tangents) if d is not None and d.requires_grad]
-        grads = [None] * len(y_work)
-        if pairs:
-            grads = torch.autograd.grad([d for d, _ in pairs], y_work, grad_outputs=[t for _, t in pairs],
-                                        create_graph=create_graph, allow_unused=True)
-    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, y_leaves)]
+        if batched:
+            size = tangent_leaves[0].shape[0]
+            rows = [_along([d for d, _ in pairs], y_work, [t[i] for _, t in pairs], create_graph, i + 1 < size)
+                    for i in range(size)]
+            return [torch.stack([row[j] for row in rows]) for j in range(len(y_leaves))]
+        return _along([d for d, _ in pairs], y_work, [t for _, t in pairs], create_graph, False)
+
+
+def _along(df_dg, y_work, tangents, create_graph, retain_graph):
+    r""":math:`\partial_y \langle \nabla_g f, \dot g\rangle` from f's gradient ``df_dg`` (zeros where y is unused)."""
+    grads = [None] * len(y_work)
+    if df_dg:
+        grads = torch.autograd.grad(df_dg, y_work, grad_outputs=tangents, create_graph=create_graph,
+                                    retain_graph=retain_graph or create_graph, allow_unused=True)
+    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, y_work)]
 
 
 def _contract_functorch(call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph):

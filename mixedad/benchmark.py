@@ -26,6 +26,7 @@ so that each median sees the same machine and Python's garbage collector paused 
 the exact storage byte count of :mod:`mixedad.profiling`. Ratios are taken within one run,
 because absolute times on a shared machine are noise.
 """
+import argparse
 import contextlib
 import gc
 import json
@@ -46,7 +47,7 @@ from mixedad.profiling import cpu_peak_memory, cuda_peak_memory, median_time
 from mixedad.reference import double_backward_mixed_grad
 from mixedad.testing import max_relative_error
 
-__all__ = ["profile", "markdown", "write", "STRATEGIES", "DEFAULT_STRATEGIES", "MODELS"]
+__all__ = ["profile", "markdown", "write", "script_arguments", "STRATEGIES", "DEFAULT_STRATEGIES", "MODELS"]
 
 
 def frozen_linear_tangent_kernel() -> Optional[Callable[..., torch.Tensor]]:
@@ -356,3 +357,31 @@ def write(rows: Sequence[Mapping[str, Any]], out_dir: Union[str, os.PathLike[str
     paths[1].write_text(f"{title}\n\n{markdown(rows)}\n")
     plot(rows, paths[2], title)
     return paths
+
+
+def script_arguments(script: str, doc: Optional[str], *, repeats: int, quick: str) -> argparse.ArgumentParser:
+    r"""The arguments every benchmark script takes: ``--out``, ``--repeats`` and ``--quick``.
+
+    .. math::
+
+        \mathtt{--out} = \mathrm{dirname}(\mathtt{script}) / \mathtt{results} \quad\text{by default}
+
+    The script adds its own arguments to the parser returned.
+
+    Args:
+        script: the script's ``__file__``.
+        doc: its module docstring; its first line describes the parser.
+        repeats: the default number of timed repeats.
+        quick: what ``--quick`` does, for ``--help``.
+
+    Example:
+        >>> from mixedad.benchmark import script_arguments
+        >>> args = script_arguments("benchmarks/x.py", "A benchmark.", repeats=3, quick="tiny").parse_args(["--quick"])
+        >>> args.repeats, args.quick, args.out.name
+        (3, True, 'results')
+    """
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0] if doc else None)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(script).resolve().parent / "results")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    return parser

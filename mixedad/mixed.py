@@ -1,4 +1,5 @@
 """Mixed second derivatives through a frozen G: mixed_grad."""
+import functools
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import torch
 from torch.func import vmap
@@ -11,7 +12,9 @@ from mixedad._backend import contract_f_with_tangent, f_cotangent
 from mixedad._frontend.state import Snapshot
 from mixedad._entry import eager
 from mixedad._frontend.nesting import check_not_nested
+from mixedad._frontend.batched import push_tangents, push_under_vmap
 from mixedad._frontend.tangents import push_tangent
+from mixedad._hooks.functorch import in_functorch_transform
 
 __all__ = ["mixed_grad", "mixed_jacobian"]
 
@@ -37,6 +40,10 @@ def mixed_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[t
 
     G is left as it was: no ``.grad`` is written, requires_grad flags and the module mode are
     untouched. The result is returned, never accumulated into ``y.grad``.
+
+    Under ``torch.func.vmap`` over v alone, the batch of tangents goes through G in one pass of
+    mixedad's own, on the per-op rules (as in :func:`mixed_jacobian`); a vmap that batches z
+    too runs on torch.func's formulas (see :mod:`mixedad._frontend.batched`).
 
     Args:
         f: callable ``f(y, g)`` returning a scalar tensor, where g has the structure of G's
@@ -96,12 +103,27 @@ def _mixed_grad(call, f, G, z, y, v, create_graph, strategy):
     _checks.check_v_constant(call, vs, create_graph)
     G = eager(G)
     _checks.check_devices(call, G, zs, y_leaves, y_spec)
-    cotangent = f_cotangent(call, f, y_leaves, y_spec, create_graph=create_graph)
-    g_leaves, tangent_leaves, g_spec = push_tangent(call, G, zs, vs, strategy=strategy, cotangent=cotangent)
+    pushed = push_under_vmap(call, G, zs, vs) if strategy != "reverse" and in_functorch_transform() else None
+    if pushed is None:
+        cotangent = f_cotangent(call, f, y_leaves, y_spec, create_graph=create_graph)
+        pushed = push_tangent(call, G, zs, vs, strategy=strategy, cotangent=cotangent)
+    g_leaves, tangent_leaves, g_spec = pushed
     result = contract_f_with_tangent(
         call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph=create_graph
     )
     return tree_unflatten(result, y_spec)
+
+
+def _rows(call, f, G, z, y, basis):
+    """Rows of the mixed Jacobian along the tangents ``basis`` (leading dimension k), in one pass of G."""
+    zs, y_leaves, y_spec, _ = _checks.mixed_args(call, f, G, z, y, None)
+    check_not_nested(call)
+    _checks.check_no_forward_tangents(call, [*zs, *y_leaves])
+    _checks.check_devices(call, G, zs, y_leaves, y_spec)
+    g_leaves, tangents, g_spec = push_tangents(call, G, zs, [basis])
+    rows = contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangents, g_spec, create_graph=False,
+                                   batched=True)
+    return rows[0]
 
 
 @public_call
@@ -113,28 +135,32 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
         \mathrm{mixed\_jacobian}(f, G, z, y)[i\ldots, j\ldots]
             = \frac{\partial^2 f(y, G(z))}{\partial z_{i\ldots}\,\partial y_{j\ldots}}
 
-    Row i is :func:`mixed_grad` with v the i-th basis vector of z's space; the rows are
-    computed with ``torch.func.vmap`` over batches of basis vectors, each batch one batched
-    forward-mode pass through G.
+    Row i is :func:`mixed_grad` with v the i-th basis vector of z's space. The rows are computed
+    a batch of basis vectors at a time, each batch one forward pass of G that computes the
+    primal once and every op's tangent for the whole batch at once
+    (:mod:`mixedad._frontend.batched`), on the same per-op rules as mixed_grad: frozen layers,
+    blockwise attention, written formulas, the local double-VJP rule (custom
+    ``autograd.Function``\ s without ``jvp`` or ``setup_context``, as StyleGAN-style ops).
 
     Memory: a batch of b tangents costs b times the tangent part of one mixed_grad call, plus
     the result, which holds ``z.numel() * y.numel()`` numbers. ``chunk_size`` bounds b (the
     default, None, pushes all ``z.numel()`` tangents at once). Peak memory does not grow with
     G's depth.
 
-    A G that does what torch.func cannot batch (custom ``autograd.Function``\ s without
-    ``setup_context`` or ``jvp``, as StyleGAN-style ops; gradient hooks; ``torch.autograd.grad``
-    inside G; inference mode inside G; threads started by G; grad left off at return) is computed
-    one tangent per pass instead, each with mixedad's per-op rules and fallbacks: exact, at one
-    forward pass of G per entry of z.
+    A G that a batch cannot take (what needs the whole-G fallback: gradient hooks,
+    ``torch.autograd.grad`` inside G, a backward that is not linear; inference mode inside G;
+    threads started by G; grad left off at return) is computed one tangent per pass instead,
+    each with mixedad's per-op rules and fallbacks: exact, at one forward pass of G per entry of
+    z. Called inside a torch.func transform of the caller's (a vmap over codes),
+    ``torch.func.vmap`` batches the rows instead.
 
     A G that draws random numbers (dropout in train mode) is computed one tangent per pass too:
-    vmap need not draw them in the order a plain call does.
+    a batched pass need not draw them in the order a plain call does.
 
     Every batch replays the random state and the buffers the first saw, so dropout masks and
     spectral norm's vectors agree across rows, and the RNG and buffers end where one forward pass
     leaves them. A G that updates buffers in place (BatchNorm in train mode, counters) cannot run
-    under vmap: it takes one pass per tangent, each from that same state.
+    in a batch: it takes one pass per tangent, each from that same state.
 
     Args:
         f, G: as for :func:`mixed_grad`.
@@ -161,7 +187,11 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
     G = eager(G)
     n = z.numel()
     step = _checks.check_chunk_size(call, chunk_size) or n
-    batched = vmap(lambda v: _mixed_grad(call, f, G, z, y, v, False, strategy), randomness="same")
+    if strategy == "reverse" or in_functorch_transform():
+        # inside the user's own transform (vmap over codes): torch.func batches the tangents
+        batched = vmap(lambda v: _mixed_grad(call, f, G, z, y, v, False, strategy), randomness="same")
+    else:
+        batched = functools.partial(_rows, call, f, G, z, y)
 
     state = Snapshot(G, call=call)  # every batch (or row) starts from the state the first one saw
 

@@ -13,7 +13,9 @@ from mixedad._entry import public_call
 from mixedad.op_rules import PATHS, WHOLE_G, PathRecorder
 from mixedad._frontend.state import Snapshot
 from mixedad._entry import eager
+from mixedad._frontend.batched import push_under_vmap
 from mixedad._frontend.tangents import push_tangent
+from mixedad._hooks.functorch import in_functorch_transform
 
 __all__ = ["TangentReport", "tangent_report"]
 
@@ -111,7 +113,11 @@ def tangent_report(G: Callable[..., Any], z: Union[torch.Tensor, Sequence[torch.
     undo = Snapshot(G, call=call)
     try:
         with undo.watching():
-            push_tangent(call, G, zs, vs, strategy=strategy, recorder=recorder)
+            pushed = None
+            if strategy != "reverse" and in_functorch_transform():  # a user's vmap over tangents
+                pushed = push_under_vmap(call, G, zs, vs, recorder=recorder)
+            if pushed is None:
+                push_tangent(call, G, zs, vs, strategy=strategy, recorder=recorder)
     finally:
         undo.restore()
     return TangentReport(recorder)

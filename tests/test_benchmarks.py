@@ -132,3 +132,15 @@ def test_attention_benchmark_runs_and_writes_results(tmp_path, monkeypatch, caps
     assert at["mixed_grad"]["peak_bytes"] < at["mixed_grad_math_attention"]["peak_bytes"]
     assert at["mixed_grad"]["max_rel_error"] < 1e-4
     assert (tmp_path / "attention_cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_many_tangents_benchmark_runs_and_writes_results(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["many_tangents.py", "--quick", "--repeats", "1", "--out", str(tmp_path)])
+    try:
+        runpy.run_path(str(BENCH / "many_tangents.py"), run_name="__main__")
+    except SystemExit as exit:
+        assert exit.code == 0
+    rows = json.loads((tmp_path / "many_tangents_cpu.json").read_text())["rows"]
+    assert [r["generator"] for r in rows] == ["mlp", "dcgan", "attention"]
+    assert all(r["max_rel_diff"] < 1e-5 for r in rows)  # float32: the batch and the loop agree
+    assert "| attention |" in (tmp_path / "many_tangents_cpu.md").read_text()

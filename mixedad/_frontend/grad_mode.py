@@ -32,7 +32,8 @@ from mixedad._hooks.functorch import current_level, is_wrapped, under_differenti
 from mixedad._hooks.grad_mode import GRAD_MODE_SETTERS, forward_ad_enabled, set_grad_enabled
 from mixedad._hooks.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-__all__ = ["GRAD_MODE_SETTERS", "primals", "no_graph", "run_as_constant", "ReadGradMode", "as_in_a_plain_call"]
+__all__ = ["GRAD_MODE_SETTERS", "primals", "no_graph", "run_as_constant", "cannot_batch", "ReadGradMode",
+           "as_in_a_plain_call"]
 
 
 def primals(tree):
@@ -99,15 +100,23 @@ class ReadGradMode(TorchFunctionMode):
             reason = self.untrusted(func)
             if reason is not None:
                 raise self.refusal(reason)
-        if torch.is_inference_mode_enabled():
-            raise self.refusal("G enters inference mode inside itself")
+        reason = cannot_batch(func, args, kwargs)
+        if reason is not None:
+            raise self.refusal(reason)
         if not torch.is_grad_enabled():
             return run_as_constant(func, args, kwargs)
-        if _writes_captured(func, args, kwargs):
-            raise self.refusal("G updates a buffer in place (BatchNorm's running statistics in train mode, a "
-                               "counter) with a value computed from z")
         with no_graph():
             return func(*args, **kwargs)
+
+
+def cannot_batch(func, args, kwargs):
+    """Why an op of G cannot run inside torch.func (a batched pass), or None."""
+    if torch.is_inference_mode_enabled():
+        return "G enters inference mode inside itself"
+    if torch.is_grad_enabled() and _writes_captured(func, args, kwargs):
+        return ("G updates a buffer in place (BatchNorm's running statistics in train mode, a counter) with a "
+                "value computed from z")
+    return None
 
 
 #: Functions that update their running statistics in place when training.

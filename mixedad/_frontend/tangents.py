@@ -11,9 +11,10 @@ to each op of G is decided in one place, :mod:`mixedad.op_rules`; this module ru
   :class:`mixedad.op_rules.OpRules` deciding each op's path: fast frozen-layer rules, written
   formulas, the local double-VJP rule for ops forward mode cannot take (custom
   ``autograd.Function``\ s without ``jvp`` included), or PyTorch's own formula. When an op's
-  formula raises, the pass is restored and run again with that op on the local rule. Inside
-  ``torch.func.vmap`` and the other transforms it uses ``torch.func.jvp``, which vmap can batch,
-  and PyTorch's formulas only. Memory: one forward pass holding primal and tangent, flat in G's
+  formula raises, the pass is restored and run again with that op on the local rule. A batch
+  of tangents (``mixed_jacobian``, a vmap over v alone) goes through
+  :mod:`mixedad._frontend.batched`, with the same rules. Inside other torch.func transforms (a
+  vmap that batches z) it uses ``torch.func.jvp`` and PyTorch's formulas only. Memory: one forward pass holding primal and tangent, flat in G's
   depth. ``F.scaled_dot_product_attention`` keeps the user's fused kernel for the primal and
   takes a blockwise tangent (:mod:`mixedad.op_rules._attention`); the nn.MultiheadAttention /
   TransformerEncoderLayer fast path is switched off during the pass, because its fused kernels
@@ -132,6 +133,26 @@ def _forward(call, G, zs, vs, rules):
         except NeedsWholeG as error:
             raise refusal(str(error)) from error
         return list(g), list(g_dot), spec[0]
+    with forward_pass(rules), forward_ad.dual_level():
+        duals = [forward_ad.make_dual(_own_memory(z), _own_memory(v)) for z, v in zip(zs, vs)]
+        with watching_threads() as threads:
+            with rules, routing(rules):
+                out = G(*duals)
+        if threads:
+            raise NeedsWholeG(_THREADS)
+        out_leaves, spec = tree_flatten(out)
+        _check_outputs(call, out_leaves, out)
+        unpacked = [forward_ad.unpack_dual(leaf) if differentiable(leaf) else (leaf, None) for leaf in out_leaves]
+    return [u[0] for u in unpacked], [u[1] for u in unpacked], spec
+
+
+@contextlib.contextmanager
+def forward_pass(rules):
+    """What every forward pass of mixedad runs in: its turn at PyTorch's one forward-AD level,
+    grad enabled, and attention on a differentiable backend where the attention rule is off.
+
+    Raises NeedsWholeG inside the caller's own ``forward_ad.dual_level()``.
+    """
     with contextlib.ExitStack() as stack:
         stack.enter_context(FORWARD_PASS_LOCK)
         if dual_level_open():
@@ -145,17 +166,7 @@ def _forward(call, G, zs, vs, rules):
         # forward AD needs the math backend.
         if not rules.attention:
             stack.enter_context(differentiable_attention())
-        stack.enter_context(forward_ad.dual_level())
-        duals = [forward_ad.make_dual(_own_memory(z), _own_memory(v)) for z, v in zip(zs, vs)]
-        with watching_threads() as threads:
-            with rules, routing(rules):
-                out = G(*duals)
-        if threads:
-            raise NeedsWholeG(_THREADS)
-        out_leaves, spec = tree_flatten(out)
-        _check_outputs(call, out_leaves, out)
-        unpacked = [forward_ad.unpack_dual(leaf) if differentiable(leaf) else (leaf, None) for leaf in out_leaves]
-    return [u[0] for u in unpacked], [u[1] for u in unpacked], spec
+        yield
 
 
 _THREADS = ("G starts threads while it runs, and mixedad's dispatch (grad mode, per-op rules) cannot "

@@ -17,7 +17,8 @@ path                     used for
 ``written formula``      ``torch.cdist`` and ``F.group_norm``, whose PyTorch formulas are
                          missing or raise on channels-last input; fused multi-layer
                          ``nn.LSTM``/``GRU``/``RNN`` calls, split into one call per layer that
-                         goes through this dispatch again
+                         goes through this dispatch again; conversions to channels-last memory
+                         formats
 ``user rule``            a rule registered with :func:`register` (a third-party CUDA op, a
                          compiled ``upfirdn2d``), spot-checked against the op's backward
 ``local double-VJP``     ops in ``KNOWN_WRONG``, ``DROPS_TANGENT`` and ``NO_FORMULA``, library
@@ -56,11 +57,11 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Uni
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from mixedad._frontend.grad_mode import GRAD_MODE_SETTERS, no_graph, run_as_constant
+from mixedad._frontend.grad_mode import GRAD_MODE_SETTERS, cannot_batch, no_graph, run_as_constant
 from mixedad._hooks.composites import COMPOSITES, CompositeReentered, run_inside
 from mixedad._hooks.dual_level import any_tangent, any_tangent_in
 from mixedad._hooks.function_apply import original_apply
-from mixedad._hooks.functorch import in_functorch_transform
+from mixedad._hooks.functorch import TangentBatch, in_functorch_transform
 from mixedad._hooks.library_ops import is_library_op
 from mixedad._hooks.torch_function_stack import popped
 from mixedad.op_rules import _attention, _formulas, _frozen_layers, _rnn  # noqa: F401  (they register their rules)
@@ -134,11 +135,11 @@ def skipping(*paths: Union[Path, str]) -> Iterator[None]:
 def untrusted_under_transforms(func: Any) -> Optional[str]:
     """Why PyTorch's own formula cannot be trusted for ``func`` inside a torch.func transform, or None.
 
-    The op rules step aside under torch.func (vmap over mixed_grad, mixed_jacobian's batched
-    pass), where PyTorch's formula runs instead. That is right for the rules that only save
+    The op rules step aside inside torch.func transforms other than mixedad's own batch of
+    tangents (a vmap over codes around mixed_grad), where PyTorch's formula runs instead. That is right for the rules that only save
     memory or time, but not for an op whose formula PyTorch gets silently wrong, an op of a
     library namespace (whose tangent PyTorch may drop), or an op the user gave a rule: those are
-    refused there, and ``mixed_jacobian`` pushes one tangent per pass, with the rules.
+    refused there, naming the op.
     """
     rule = TABLE.get(func)
     if rule is not None and rule.path is Path.USER:
@@ -159,12 +160,16 @@ class OpRules(TorchFunctionMode):
         skip: keyword-only; paths not to take (``FROZEN``, ``ATTENTION``, ``FORMULA``, ``USER``,
             ``LOCAL``), for benchmarks and the zoo's calibration. Ops then take PyTorch's formula,
             and without ``LOCAL`` an op whose formula is missing sends G to the whole-G fallback.
+        batch: keyword-only; the :class:`~mixedad._hooks.functorch.TangentBatch` of a pass with
+            many tangents (:mod:`mixedad._frontend.batched`), or None. The rules then run inside
+            that batch's torch.func transforms; rules registered with ``batched=True`` see plain
+            tensors with the tangents as a leading dimension.
     """
 
     def __init__(self, call: str, recorder: Optional["PathRecorder"] = None, *,
-                 skip: Optional[Sequence[Union[Path, str]]] = None) -> None:
+                 skip: Optional[Sequence[Union[Path, str]]] = None, batch: Optional[TangentBatch] = None) -> None:
         super().__init__()
-        self.call, self.recorder = call, recorder
+        self.call, self.recorder, self.batch = call, recorder, batch
         skip = tuple(Path(p) for p in (getattr(_settings, "skip", ()) if skip is None else skip))
         self.local = Path.LOCAL not in skip
         self.attention = Path.ATTENTION not in skip
@@ -174,10 +179,14 @@ class OpRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if in_functorch_transform():
+        if in_functorch_transform() and not self.in_batch():
             return func(*args, **kwargs)  # G runs torch.func.vmap (or another transform) inside
         if func in GRAD_MODE_SETTERS:
             return func(*args, **kwargs)
+        if self.batch is not None:
+            reason = cannot_batch(func, args, kwargs)
+            if reason is not None:
+                raise UnderTransformError(f"{self.call}: {reason}")
         if not torch.is_grad_enabled():  # G turned grad off here: a constant, as in reverse mode
             return run_as_constant(func, args, kwargs)
         if func in COMPOSITES:
@@ -195,6 +204,15 @@ class OpRules(TorchFunctionMode):
                               f"reverse pass has")
         with no_graph():  # tangents only: no reverse graph through G's parameters
             return self._dispatch(func, args, kwargs)
+
+    @property
+    def under_transforms(self) -> bool:
+        """Whether custom Functions come to this dispatch inside torch.func (a batched pass)."""
+        return self.batch is not None
+
+    def in_batch(self) -> bool:
+        """Whether an op runs at the level of this pass's tangent batch (not in a transform G runs)."""
+        return self.batch is not None and self.batch.active()
 
     def rule_for(self, func: Any) -> Optional[Rule]:
         """The rule ``func`` takes in this pass, or None for PyTorch's formula."""
@@ -223,7 +241,7 @@ class OpRules(TorchFunctionMode):
             elif not any_tangent_in(args, kwargs):
                 return func(*args, **kwargs)  # the plain call: no tangent to push
             if func in self.failed:  # its formula raised before, for these inputs: the local rule
-                rule = failed_rule(func, args, kwargs)
+                rule = failed_rule(func, args, kwargs, batched=self.in_batch())
                 if rule is not None:
                     result = self.apply(rule, func, args, kwargs)
                     if result is not NotImplemented:
@@ -235,12 +253,12 @@ class OpRules(TorchFunctionMode):
                 raise
             if not self.local:
                 raise NeedsWholeG(f"{op_name(func)} has no forward-mode AD formula here") from error
-            remember_failure(func, args, kwargs, error)
+            remember_failure(func, args, kwargs, error, batched=self.in_batch())
             raise RestartPass(op_name(func), error) from error
         except RuntimeError as error:
             if isinstance(error, OpRuleError) or not self.local or not any_tangent((args, kwargs)):
                 raise
-            remember_failure(func, args, kwargs, error)
+            remember_failure(func, args, kwargs, error, batched=self.in_batch())
             raise RestartPass(op_name(func), error) from error
         if self.recorder is not None and any_tangent(result):
             self.recorder.add(op_name(func), Path.FORWARD, "PyTorch's formula")
@@ -249,16 +267,23 @@ class OpRules(TorchFunctionMode):
     def apply(self, rule: Rule, func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
               name: Optional[str] = None) -> Any:
         """Run ``rule`` on this call: bind, unpack, call, pack, record. NotImplemented if it declines."""
-        op = OpCall(func, name or op_name(func), self.call, args, kwargs, rule.arguments or (), dispatch=self._reenter)
+        batch = self.batch if self.in_batch() else None
+        lowered = batch if batch is not None and rule.batched else None
+        op = OpCall(func, name or op_name(func), self.call, args, kwargs, rule.arguments or (), dispatch=self._reenter,
+                    batch=batch, lowered=lowered is not None)
         if not op.any_tangent:
             return func(*args, **kwargs)  # the plain call: no tangent to push
-        result = rule.apply(op)
+        if lowered is not None:
+            with lowered.plain():  # plain tensors, the tangents of the batch as a leading dimension
+                result = rule.apply(op)
+        else:
+            result = rule.apply(op)
         if result is NotImplemented:
             return NotImplemented
         if not (isinstance(result, tuple) and len(result) == 2):
             raise OpRuleError(f"{self.call}: the tangent rule {rule.owner} for {op.name} returned "
                               f"{type(result).__name__}; a rule returns (output, output_tangent) or NotImplemented")
-        value = pack(*result)
+        value = pack(*result) if lowered is None else pack(*result, attach=lowered.lift)
         if self.recorder is not None:
             path, reason = op.rerouted or (rule.path, rule.reason)
             self.recorder.add(op.name, path, reason)
@@ -271,6 +296,8 @@ class OpRules(TorchFunctionMode):
 
     def custom_function(self, cls: type, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         """The dispatch for ``cls.apply(*args, **kwargs)``, a custom autograd.Function."""
+        if in_functorch_transform() and not self.in_batch():
+            return original_apply(cls, *args, **kwargs)  # inside a transform G runs itself
         rule = TABLE.get(cls)
         if rule is not None and torch.is_grad_enabled() and any_tangent((args, kwargs)) and rule.path not in self.skip:
             with popped(self):

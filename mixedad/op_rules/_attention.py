@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixedad._hooks.attention_backends import math_backend
 from mixedad._hooks.composites import COMPOSITES, run_inside
+from mixedad.op_rules._errors import UnderTransformError
 from mixedad.op_rules._table import Path, defrule
 
 #: Bytes of scores per block (all batch entries and heads, a block of queries, every key).
@@ -87,16 +88,25 @@ def _safe_softmax_(s):
     return p.div_(p.sum(dim=-1, keepdim=True).masked_fill_(blind, 1.0))
 
 
+def _cat_last(tensors):
+    """``torch.cat`` on the last dimension, broadcasting the others (a primal beside a batch of tangents)."""
+    shape = torch.broadcast_shapes(*(t.shape[:-1] for t in tensors))
+    return torch.cat([t.expand(*shape, t.shape[-1]) for t in tensors], dim=-1)
+
+
 def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=False, scale=None,
-                      enable_gqa=False, block_bytes=None):
+                      enable_gqa=False, block_bytes=None, batched=False):
     r"""The tangent of ``out = scaled_dot_product_attention(q, k, v, ...)``, a block of queries at a time.
 
     .. math::
 
         \dot O = P \dot V + (P \circ \dot S) V - \mathrm{rowsum}(P \circ \dot S) \circ O
 
-    ``dq``, ``dk`` and ``dv`` may be None (no tangent). Returns a tensor of ``out``'s shape and
-    dtype; float16 and bfloat16 are computed in float32.
+    ``dq``, ``dk`` and ``dv`` may be None (no tangent). With ``batched``, they carry a leading
+    dimension k (a batch of tangents): the probabilities P of a block are computed once for all of
+    them, no primal is copied k times, and the block budget is shared. Returns a tensor of
+    ``out``'s shape (with the leading k when ``batched``) and dtype; float16 and bfloat16 are
+    computed in float32.
     """
     lq, lk, e = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
@@ -105,27 +115,36 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
         k, v, dk, dv = (_repeat_heads(t, repeats) for t in (k, v, dk, dv))
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     q, k, v, o, dq, dk, dv = (None if t is None else t.to(work) for t in (q, k, v, out, dq, dk, dv))
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    tangent = torch.zeros(*batch, lq, v.shape[-1], dtype=work, device=q.device)
+    if not batched:  # one tangent: a batch of one
+        dq, dk, dv = (None if t is None else t.unsqueeze(0) for t in (dq, dk, dv))
+    size = next(t.shape[0] for t in (dq, dk, dv, q.new_zeros(1)) if t is not None)
+    # The tangents' batch dimension goes just before the rows (..., k, T, E); primals get a 1 there.
+    dq, dk, dv = (None if t is None else t.movedim(0, -3) for t in (dq, dk, dv))
+    q, k, v, o = (t.unsqueeze(-3) for t in (q, k, v, o))
+    batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    ev = v.shape[-1]
+    tangent = torch.zeros(*batch, size, lq, ev, dtype=work, device=q.device)
     if dq is None and dk is None and dv is None:
-        return tangent.to(out.dtype)
-    mask = None if attn_mask is None else attn_mask.expand(*batch, lq, lk)
+        return _unbatch(tangent, batched).to(out.dtype)
+    mask = None if attn_mask is None else attn_mask.expand(*batch, lq, lk).unsqueeze(-3)
     budget = (BLOCK_BYTES if block_bytes is None else block_bytes) // (
-        max(1, math.prod(batch)) * (torch.finfo(work).bits // 8))  # score entries per block
+        max(1, math.prod(batch) * size) * (torch.finfo(work).bits // 8))  # score entries per block
     # S = (scale Q) K^T, and dS = scale (dQ K^T + Q dK^T) as one product [scale dQ, scale Q] [K, dK]^T;
     # the scale is folded into the (T x E) factors once, not applied to every block of scores.
     q_scaled = q * scale
     left = [t for t in (None if dq is None else dq * scale, q_scaled if dk is not None else None) if t is not None]
-    left = None if not left else (left[0] if len(left) == 1 else torch.cat(left, dim=-1))
+    left = None if not left else (left[0] if len(left) == 1 else _cat_last(left))
     right = [t for t, d in ((k, dq), (dk, dk)) if d is not None]
-    right = None if not right else (right[0] if len(right) == 1 else torch.cat(right, dim=-1))
+    right = None if not right else (right[0] if len(right) == 1 else _cat_last(right))
+    # P dV for all k tangents as one product: dV's k folded into its columns, (..., T, k E).
+    dv_folded = None if dv is None else dv.movedim(-3, -2).flatten(-2)
     start = 0
     while start < lq:
         step = _block_rows(start, lq, lk, budget, is_causal)
         rows = slice(start, start + step)
         # Causal attention (top-left aligned) reads keys 0..row only: later keys are skipped.
         cols = slice(0, min(lk, rows.stop) if is_causal else lk)
-        s = q_scaled[..., rows, :] @ k[..., cols, :].mT
+        s = q_scaled[..., rows, :] @ k[..., cols, :].mT  # (..., 1, rows, cols): once for all tangents
         if mask is not None:
             block = mask[..., rows, cols]
             s = s.masked_fill_(~block, float("-inf")) if block.dtype == torch.bool else s.add_(block)
@@ -134,19 +153,28 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
             s[..., start + 1:cols.stop].masked_fill_(later, float("-inf"))
         p = _safe_softmax_(s)  # in place: s becomes P
         del s
-        d_o = None if dv is None else p @ dv[..., cols, :]
+        d_o = None
+        if dv_folded is not None:
+            d_o = (p.squeeze(-3) @ dv_folded[..., cols, :]).unflatten(-1, (size, ev)).movedim(-2, -3)
         if left is not None:
-            p_ds = (left[..., rows, :] @ right[..., cols, :].mT).mul_(p)
+            p_ds = (left[..., rows, :] @ right[..., cols, :].mT).mul_(p)  # (..., k, rows, cols)
             del p
-            term = (p_ds @ v[..., cols, :]).sub_(p_ds.sum(-1, keepdim=True) * o[..., rows, :])
-            d_o = term if d_o is None else d_o.add_(term)
+            # (P o dS) V with the k tangents stacked as rows: V is not copied k times.
+            pv = (p_ds.flatten(-3, -2) @ v.squeeze(-3)[..., cols, :]).unflatten(-2, (size, step))
+            term = pv.sub_(p_ds.sum(-1, keepdim=True) * o[..., rows, :])
+            d_o = term if d_o is None else term.add_(d_o)
         tangent[..., rows, :] = d_o
         start = rows.stop
-    return tangent.to(out.dtype)
+    return _unbatch(tangent, batched).to(out.dtype)
+
+
+def _unbatch(tangent, batched):
+    """The tangent of :func:`blockwise_tangent` in the caller's layout: (k, ..., T, E), or (..., T, E)."""
+    return tangent.movedim(-3, 0) if batched else tangent.squeeze(-3)
 
 
 @defrule(Path.ATTENTION, F.scaled_dot_product_attention, reason="fused primal, blockwise tangent",
-         arguments=_SDPA_ARGS)
+         arguments=_SDPA_ARGS, batched=True)
 def sdpa_rule(op):
     """``F.scaled_dot_product_attention``: the user's kernel for the primal, the tangent blockwise."""
     q, k, v = (op.primals.get(name) for name in ("query", "key", "value"))
@@ -158,12 +186,16 @@ def sdpa_rule(op):
     mask = op.primals.get("attn_mask")
     if op.primals.get("dropout_p", 0.0) > 0 or op.tangents.get("attn_mask") is not None:
         reason = "dropout: math backend" if op.primals.get("dropout_p", 0.0) > 0 else "mask with a tangent: math backend"
+        if op.lowered:
+            raise UnderTransformError(f"{op.call}: attention with {reason.split(':')[0]} takes PyTorch's math backend, "
+                                      f"one tangent per pass")
         op.reroute(Path.FORWARD, reason)
         with math_backend():
             return op.func(*op.args, **op.kwargs), None  # forward AD through the math backend's ops
     primal = op.primal()
     tangent = blockwise_tangent(q, k, v, primal, dq, dk, dv, attn_mask=mask, is_causal=op.primals.get("is_causal", False),
-                                scale=op.primals.get("scale"), enable_gqa=op.primals.get("enable_gqa", False))
+                                scale=op.primals.get("scale"), enable_gqa=op.primals.get("enable_gqa", False),
+                                batched=op.lowered)
     return primal, tangent
 
 

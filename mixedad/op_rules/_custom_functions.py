@@ -40,7 +40,7 @@ from mixedad._hooks.functorch import under_vmap
 from mixedad._hooks.module_hooks import BackwardHookFunction
 from mixedad._hooks.threads import unwatched
 from mixedad._hooks.torch_function_stack import popped
-from mixedad.op_rules._errors import FunctionUnderTransformError, NeedsWholeG
+from mixedad.op_rules._errors import FunctionUnderTransformError, NeedsWholeG, OpRuleError, UnderTransformError
 from mixedad.op_rules._local import local_jvp
 from mixedad.op_rules._table import Path
 
@@ -102,6 +102,26 @@ def verdict(cls, apply, args, kwargs, *, with_jvp, jvp=None):
         with _lock:
             _verdicts[cls] = found
     return found
+
+
+def verdict_in_batch(batch, key, apply, args, kwargs, *, with_jvp, jvp=None):
+    """:func:`verdict` in a pass with a batch of tangents: probed outside torch.func, on plain tensors.
+
+    The probes run on plain dual tensors that carry the first tangent of the batch (the probes
+    draw their own random vectors; the tangent only marks which inputs carry one).
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    lowered = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+            primal, tangent = unpack(leaf)
+            primal = batch.lower_primal(primal)
+            lowered.append((primal, None if tangent is None else batch.lower_tangent(tangent, primal)))
+        else:
+            lowered.append((leaf, None))
+    with batch.plain():
+        call_args, call_kwargs = tree_unflatten([p if t is None else dual(p, t[0]) for p, t in lowered], spec)
+        return verdict(key, apply, call_args, call_kwargs, with_jvp=with_jvp, jvp=jvp)
 
 
 def _has_data(tree):
@@ -242,6 +262,9 @@ def forward_pass_custom_function(rules, cls, args, kwargs):
 def _forward_pass_custom_function(rules, cls, args, kwargs):
     name = f"{cls.__qualname__} (custom Function)"
     apply = functools.partial(original_apply, cls)
+    batch = rules.batch if rules.in_batch() else None
+    if batch is not None:
+        return _batched_custom_function(rules, batch, cls, name, apply, args, kwargs)
     if not torch.is_grad_enabled():  # G turned grad off here: a constant, as in reverse mode
         return run_as_constant(apply, args, kwargs)
     if not any_tangent((args, kwargs)):
@@ -250,27 +273,66 @@ def _forward_pass_custom_function(rules, cls, args, kwargs):
     own_jvp = has_own_jvp(cls)
     with popped(rules), direct():  # the probes run the op plainly, as __torch_function__ runs ops
         found = verdict(cls, apply, args, kwargs, with_jvp=own_jvp)
-    if not found.linear:
-        raise NeedsWholeG(f"{name} has a backward that is not linear in its incoming gradient (gradient "
-                          f"clipping or normalisation?), and only double backward's own cotangent gives "
-                          f"its derivative", at_cotangent=True)
+    _check_linear(found, name)
     if own_jvp and not found.jvp_agrees and cls not in _WARNED_JVP:
         _WARNED_JVP.add(cls)
         _warn_jvp_disagrees(rules.call, cls, found.numbers)
     if not own_jvp or not found.jvp_agrees:
-        if not rules.local:
-            raise NeedsWholeG(f"{name} has no jvp, and the local rule is skipped")
-        with popped(rules), no_graph(), direct():  # the op runs plainly, as inside __torch_function__
-            result = local_jvp(rules.call, name, apply, args, kwargs, custom=True)
-        if rules.recorder is not None:
-            rules.recorder.add(name, Path.LOCAL, "custom Function without jvp" if not own_jvp
-                               else "its jvp disagrees with its backward")
-        return result
+        return _local(rules, name, apply, args, kwargs, "custom Function without jvp" if not own_jvp
+                      else "its jvp disagrees with its backward")
     with no_graph():
         result = apply(*args, **kwargs)
     if rules.recorder is not None and any_tangent(result):
         rules.recorder.add(name, Path.FORWARD, "its own jvp")
     return result
+
+
+def _check_linear(found, name):
+    if not found.linear:
+        raise NeedsWholeG(f"{name} has a backward that is not linear in its incoming gradient (gradient "
+                          f"clipping or normalisation?), and only double backward's own cotangent gives "
+                          f"its derivative", at_cotangent=True)
+
+
+def _local(rules, name, apply, args, kwargs, reason, batch=None):
+    """The Function on the local rule, recorded with ``reason``."""
+    if not rules.local:
+        raise NeedsWholeG(f"{name} has no jvp, and the local rule is skipped")
+    with popped(rules), no_graph(), direct():  # the op runs plainly, as inside __torch_function__
+        result = local_jvp(rules.call, name, apply, args, kwargs, custom=True, batch=batch)
+    if rules.recorder is not None:
+        rules.recorder.add(name, Path.LOCAL, reason)
+    return result
+
+
+def _batched_custom_function(rules, batch, cls, name, apply, args, kwargs):
+    """A custom Function in a pass with a batch of tangents: run outside torch.func, on plain tensors.
+
+    torch.func runs a Function only with ``setup_context`` (and a ``jvp`` and a vmap rule to batch
+    its tangent); mixedad needs neither. The Function runs once on the plain primals, and its
+    backward is differentiated once per tangent (the local rule). A Function with its own jvp
+    takes the local rule here too: its jvp is only ever trusted where it agrees with the
+    backward, and the backward is the meaning.
+    """
+    if not torch.is_grad_enabled() or not any_tangent((args, kwargs)):  # a constant
+        leaves, spec = tree_flatten((args, kwargs))
+        plain = [batch.lower_primal(unpack(t)[0]) if isinstance(t, torch.Tensor) and t.layout == torch.strided
+                 else t for t in leaves]
+        with popped(rules), direct(), batch.plain(), torch.no_grad():
+            plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in plain]
+            call_args, call_kwargs = tree_unflatten(plain, spec)
+            return apply(*call_args, **call_kwargs)
+    with popped(rules), direct():
+        found = verdict_in_batch(batch, cls, apply, args, kwargs, with_jvp=False)
+    _check_linear(found, name)
+    try:
+        return _local(rules, name, apply, args, kwargs, "custom Function, batched tangents" if has_own_jvp(cls)
+                      else "custom Function without jvp", batch=batch)
+    except OpRuleError as error:
+        if not has_own_jvp(cls):
+            raise
+        raise UnderTransformError(f"{rules.call}: {name} has a jvp but a backward that cannot be differentiated, "
+                                  f"so a batch of tangents cannot go through it in one pass") from error
 
 
 class CheckpointsRunDirectly:
@@ -287,7 +349,7 @@ class CheckpointsRunDirectly:
 
 
 class FunctionsUnderTransforms:
-    """``Function.apply`` handler for passes under torch.func transforms (vmap over mixed_grad).
+    """``Function.apply`` handler for passes under torch.func transforms (a vmap over codes and tangents).
 
     torch.func runs a custom Function only if it defines ``setup_context``, and pushes a tangent
     through it only with its own ``jvp``; the op rules step aside there. A Function that lacks

@@ -33,7 +33,7 @@ def _hint(outputs):
     return ""
 
 
-def double_vjp(call, name, outputs, inputs, tangents, *, at=None):
+def double_vjp(call, name, outputs, inputs, tangents, *, at=None, batched=False):
     r"""Tangents of ``outputs`` along ``tangents`` of ``inputs``, by two reverse passes.
 
     .. math::
@@ -52,9 +52,12 @@ def double_vjp(call, name, outputs, inputs, tangents, *, at=None):
             For a backward linear in u any u gives the same answer; for one that is not (a
             gradient hook, a custom Function that clips its gradient) only double backward's
             own cotangent gives its answer.
+        batched: keyword-only; the tangents carry a leading dimension k (a batch of tangents).
+            The first reverse pass runs once; the second once per tangent of the batch.
 
     Returns:
-        One tensor per output: its tangent (zeros where the output does not depend on the inputs).
+        One tensor per output: its tangent (zeros where the output does not depend on the inputs),
+        with the leading dimension k when ``batched``.
 
     Raises:
         OpRuleError: the backward of something between inputs and outputs cannot itself be
@@ -95,8 +98,7 @@ def double_vjp(call, name, outputs, inputs, tangents, *, at=None):
     results = [None] * len(outputs)
     if live:
         try:
-            results = torch.autograd.grad([p for p, _ in live], us, grad_outputs=[t for _, t in live],
-                                          allow_unused=True)
+            results = _second_pass([p for p, _ in live], us, [t for _, t in live], batched)
         except RuntimeError as error:
             raise OpRuleError(
                 f"{call}: {_subject(name)} has no usable forward-mode formula, and its backward cannot be "
@@ -110,4 +112,16 @@ def double_vjp(call, name, outputs, inputs, tangents, *, at=None):
             f"through it would silently lose this path. Give it a forward-mode rule: for a custom "
             f"autograd.Function, a jvp staticmethod."
         )
-    return [torch.zeros_like(o) if r is None else r for r, o in zip(results, outputs)]
+    size = tangents[0].shape[0] if batched else None
+    return [(torch.zeros_like(o) if size is None else o.new_zeros(size, *o.shape)) if r is None else r
+            for r, o in zip(results, outputs)]
+
+
+def _second_pass(pulled, us, tangents, batched):
+    r""":math:`\partial_u \langle J^\top u, t\rangle` for each u; per tangent of the batch if ``batched``."""
+    if not batched:
+        return torch.autograd.grad(pulled, us, grad_outputs=tangents, allow_unused=True)
+    size = tangents[0].shape[0]
+    rows = [torch.autograd.grad(pulled, us, grad_outputs=[t[i] for t in tangents], allow_unused=True,
+                                retain_graph=i + 1 < size) for i in range(size)]
+    return [None if rows[0][j] is None else torch.stack([row[j] for row in rows]) for j in range(len(us))]

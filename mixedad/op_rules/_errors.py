@@ -8,8 +8,8 @@ class OpRuleError(RuntimeError):
 
 
 class UnderTransformError(OpRuleError):
-    """Something in G that mixedad cannot do inside a torch.func transform (vmap over mixed_grad,
-    mixed_jacobian's batched pass); ``mixed_jacobian`` then pushes one tangent per pass."""
+    """Something in G that mixedad cannot do inside a torch.func transform or in a batch of
+    tangents (vmap over mixed_grad, mixed_jacobian); ``mixed_jacobian`` then pushes one tangent per pass."""
 
 
 class FunctionUnderTransformError(UnderTransformError):

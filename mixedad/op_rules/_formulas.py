@@ -30,6 +30,12 @@ and stride" on channels-last and other non-contiguous inputs (diffusers' UNet2DM
     \dot y = \gamma\, r \Big(\dot x - \overline{\dot x} - \hat x\, \overline{\hat x \dot x}\Big)
 
 where the bars are means over the group. Applies when weight and bias carry no tangent.
+
+**Memory formats.** ``contiguous``, ``clone`` and ``to`` with ``memory_format=channels_last``
+(or ``channels_last_3d``) copy their input into another layout: :math:`\dot y = \dot x` in
+that layout. torch.func cannot batch these formulas (a batch of tangents would need the layout
+of a tensor with one more dimension); the rule converts the k tangents as one batch of k times
+the input's batch. Other calls of these methods take PyTorch's formula.
 """
 import inspect
 
@@ -99,3 +105,25 @@ def group_norm_rule(op):
     if weight is not None:
         tangent = tangent * weight.reshape(1, -1, *([1] * (x.dim() - 2)))
     return primal, tangent
+
+
+_MEMORY_FORMAT_KWARGS = {"memory_format", "non_blocking", "copy"}
+
+
+@defrule(Path.FORMULA, torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.to,
+         reason="a change of memory format: the tangent in the same format", batched=True)
+def memory_format_rule(op):
+    """``x.contiguous / clone / to(memory_format=...)`` into a channels-last layout: the tangent converted alike."""
+    fmt = op.kwargs.get("memory_format")
+    if fmt is None or fmt in (torch.preserve_format, torch.contiguous_format):
+        return NotImplemented
+    if len(op.args) != 1 or set(op.kwargs) - _MEMORY_FORMAT_KWARGS:
+        return NotImplemented  # a dtype or device change as well: PyTorch's formula
+    tangent = op.tangents.get("arg0")
+    if tangent is None:
+        return NotImplemented
+    kwargs = {name: op.primals[name] for name in op.kwargs}
+    primal = op.primal()
+    if not op.lowered:
+        return primal, op.func(tangent, **kwargs)
+    return primal, op.func(tangent.flatten(0, 1), **kwargs).unflatten(0, tangent.shape[:2])

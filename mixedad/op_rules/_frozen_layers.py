@@ -66,27 +66,44 @@ def _frozen_input(op, *frozen):
     return op.tangents.get("input")
 
 
-@defrule(Path.FROZEN, F.linear, reason="frozen weights", arguments=("input", "weight", "bias"))
+@defrule(Path.FROZEN, F.linear, reason="frozen weights", arguments=("input", "weight", "bias"), batched=True)
 def linear_rule(op):
-    """Frozen linear layer: the primal call, and the tangent through the fastest kernel."""
+    """Frozen linear layer: the primal call, and the tangent through the fastest kernel.
+
+    A batch of tangents is one more leading dimension, which ``F.linear`` takes as it is.
+    """
     x_tangent = _frozen_input(op, "weight", "bias")
     if x_tangent is None:
         return NotImplemented
     return op.primal(), _linear_tangent(x_tangent, op.primals["weight"])
 
 
-@defrule(Path.FROZEN, F.conv1d, F.conv2d, F.conv3d, reason="frozen weights", arguments=_CONV)
+#: The number of dimensions of a convolution's input with a batch dimension, by op.
+_CONV_DIMS = {F.conv1d: 3, F.conv2d: 4, F.conv3d: 5, F.conv_transpose1d: 3, F.conv_transpose2d: 4,
+              F.conv_transpose3d: 5}
+
+
+@defrule(Path.FROZEN, F.conv1d, F.conv2d, F.conv3d, reason="frozen weights", arguments=_CONV, batched=True)
 @defrule(Path.FROZEN, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, reason="frozen weights",
-         arguments=_CONV_TRANSPOSE)
+         arguments=_CONV_TRANSPOSE, batched=True)
 def convolution_rule(op):
-    """Frozen (transposed) convolution: the primal call, and the same call on the tangent without bias."""
+    """Frozen (transposed) convolution: the primal call, and the same call on the tangent without bias.
+
+    A batch of k tangents of an input with batch size B is one call with batch size k B.
+    """
     x_tangent = _frozen_input(op, "weight", "bias")
     if x_tangent is None:
         return NotImplemented
-    return op.primal(), op.primal(input=x_tangent, bias=None)
+    if not op.lowered:
+        return op.primal(), op.primal(input=x_tangent, bias=None)
+    primal = op.primal()
+    if op.primals["input"].dim() < _CONV_DIMS.get(op.func, 0):  # unbatched input: k is the batch
+        return primal, op.primal(input=x_tangent, bias=None)
+    folded = op.primal(input=x_tangent.flatten(0, 1), bias=None)
+    return primal, folded.unflatten(0, x_tangent.shape[:2])
 
 
-@defrule(Path.FROZEN, F.batch_norm, reason="eval-mode statistics", arguments=_BATCH_NORM_ARGS)
+@defrule(Path.FROZEN, F.batch_norm, reason="eval-mode statistics", arguments=_BATCH_NORM_ARGS, batched=True)
 def batch_norm_eval_rule(op):
     """Eval-mode batch norm with frozen statistics: the tangent is scaled per channel."""
     bound = op.primals
@@ -98,5 +115,6 @@ def batch_norm_eval_rule(op):
     scale = torch.rsqrt(bound["running_var"] + bound.get("eps", 1e-5))
     if bound.get("weight") is not None:
         scale = scale * bound["weight"]
-    shape = (1, -1, *([1] * (x_tangent.dim() - 2))) if x_tangent.dim() >= 2 else (-1,)
+    x_dim = op.primals["input"].dim()  # a batch of tangents adds a leading dimension
+    shape = (1, -1, *([1] * (x_dim - 2))) if x_dim >= 2 else (-1,)
     return op.primal(), x_tangent * scale.reshape(shape)

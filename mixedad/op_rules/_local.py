@@ -14,6 +14,7 @@ op runs; nothing accumulates across G's depth. Time: about one forward, one back
 double backward of that op. The op runs exactly once, so it draws the random numbers and
 updates the buffers that its own call would.
 """
+import contextlib
 import threading
 
 import torch
@@ -52,7 +53,7 @@ def _is_inplace(func):
     return name.endswith("_") and not name.startswith("__")
 
 
-def local_jvp(call, name, func, args, kwargs, *, custom=False):
+def local_jvp(call, name, func, args, kwargs, *, custom=False, batch=None):
     """Run ``func(*args, **kwargs)`` with the local rule; NotImplemented if no input has a tangent.
 
     Args:
@@ -64,6 +65,9 @@ def local_jvp(call, name, func, args, kwargs, *, custom=False):
         custom: keyword-only; True for a custom Function. Its inputs are then handed over as
             non-leaf copies, since it may write into them (``ctx.mark_dirty``); an output that
             is one of those copies is written back into the caller's tensor, tangent included.
+        batch: keyword-only; the :class:`~mixedad._hooks.functorch.TangentBatch` of a batched
+            pass, or None. The op then runs once, outside torch.func, on plain primals, and its
+            backward is differentiated once per tangent of the batch.
 
     Returns:
         The op's result with the same structure; every floating-point output that depends on
@@ -74,12 +78,29 @@ def local_jvp(call, name, func, args, kwargs, *, custom=False):
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             primal, tangent = unpack(leaf) if leaf.layout == torch.strided else (leaf, None)
-            work[i] = primal.detach()
+            if batch is not None:
+                primal = batch.lower_primal(primal)
+                tangent = None if tangent is None else batch.lower_tangent(tangent, primal)
+            work[i] = primal
             if tangent is not None:
                 diff.append(i)
                 tangents.append(tangent)
     if not diff:
         return NotImplemented
+    with contextlib.nullcontext() if batch is None else batch.plain():
+        work = [t.detach() if isinstance(t, torch.Tensor) else t for t in work]
+        result, out_spec, written = _run_and_differentiate(call, name, func, leaves, spec, work, diff, tangents,
+                                                           custom, batched=batch is not None)
+    attach = dual if batch is None else batch.lift
+    result = [attach(o, t) if t is not None else o for o, t in result]
+    for j, i in written.items():
+        leaves[i].copy_(result[j])  # forward AD carries the tangent into the caller's tensor
+        result[j] = leaves[i]
+    return tree_unflatten(result, out_spec)
+
+
+def _run_and_differentiate(call, name, func, leaves, spec, work, diff, tangents, custom, batched):
+    """The op on the primals with grad on, and its outputs' tangents: ``([(output, tangent or None)], spec, written)``."""
     inplace = _is_inplace(func)
     with torch.enable_grad():
         inputs = [work[i].requires_grad_() for i in diff]
@@ -101,20 +122,18 @@ def local_jvp(call, name, func, args, kwargs, *, custom=False):
         if sparse:
             raise NeedsWholeG(f"{name} returns a {sparse[0].layout} tensor, which cannot carry a forward-mode "
                               f"tangent in PyTorch")
-        out_tangents = double_vjp(call, name, [out_leaves[j] for j in live], inputs, tangents) if live else []
-    result = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
+        out_tangents = double_vjp(call, name, [out_leaves[j] for j in live], inputs, tangents,
+                                  batched=batched) if live else []
+    result = [(o.detach() if isinstance(o, torch.Tensor) else o, None) for o in out_leaves]
     for j, t in zip(live, out_tangents):
-        result[j] = dual(result[j], t)
-    for j, i in written.items():
-        leaves[i].copy_(result[j])  # forward AD carries the tangent into the caller's tensor
-        result[j] = leaves[i]
-    return tree_unflatten(result, out_spec)
+        result[j] = (result[j][0], t)
+    return result, out_spec, written
 
 
 def local_rule(op):
     """The local rule as a tangent rule: the op's outputs come back carrying their tangents."""
     with direct():  # the op's own reverse passes see the Functions it runs as torch defines them
-        value = local_jvp(op.call, op.name, op.func, op.args, op.kwargs)
+        value = local_jvp(op.call, op.name, op.func, op.args, op.kwargs, batch=op.batch)
     return NotImplemented if value is NotImplemented else (value, None)
 
 
@@ -133,8 +152,9 @@ for _name in DROPS_TANGENT:
 defrule(Path.LOCAL, F.grid_sample, reason="no forward-AD formula")(local_rule)
 
 #: Torch functions whose PyTorch formula is silently wrong (a wrong tangent, or none where there
-#: should be one): func -> what goes wrong. Under torch.func, where the rules step aside, they are
-#: refused rather than computed by that formula.
+#: should be one): func -> what goes wrong. Under torch.func transforms other than mixedad's own
+#: batch of tangents, where the rules step aside, they are refused rather than computed by that
+#: formula.
 SILENTLY_WRONG = {func: f"{issue}: {what}" for name, (issue, what) in KNOWN_WRONG.items() for func in _torch_funcs(name)}
 SILENTLY_WRONG.update({func: "its formula drops the tangent" for name in DROPS_TANGENT for func in _torch_funcs(name)})
 
@@ -181,23 +201,33 @@ def _kinds(args, kwargs):
     return ("no formula", tuple(sorted(kinds, key=str)))
 
 
-def remember_failure(func, args, kwargs, error):
-    """Send ``func`` to the local rule from now on, for inputs like these."""
+def remember_failure(func, args, kwargs, error, *, batched=False):
+    """Send ``func`` to the local rule from now on, for inputs like these.
+
+    A failure in a batch of tangents (torch.func's batching of the formula) is remembered for
+    batches only: the formula may well work with one tangent.
+    """
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if len(reason) > 120:
         reason = reason[:117] + "..."
     no_formula = isinstance(error, NotImplementedError)  # torch's "no forward-AD formula" type
-    signature = _kinds(args, kwargs) if no_formula else _signature(args, kwargs)
+    signature = (batched, _kinds(args, kwargs) if no_formula else _signature(args, kwargs))
     with _FAILED_LOCK:
         seen = FAILED.setdefault(func, {})
         if len(seen) < _MAX_FAILED_SIGNATURES:
             seen[signature] = f"forward-AD formula raised: {reason}"
 
 
-def failed_rule(func, args, kwargs):
-    """The local rule for ``func`` if its formula raised before on inputs like these, else None."""
+def failed_rule(func, args, kwargs, *, batched=False):
+    """The local rule for ``func`` if its formula raised before on inputs like these, else None.
+
+    In a batch of tangents, failures with one tangent count too.
+    """
     seen = FAILED[func]
-    reason = seen.get(_kinds(args, kwargs)) or seen.get(_signature(args, kwargs))
+    keys = [(False, _kinds(args, kwargs)), (False, _signature(args, kwargs))]
+    if batched:
+        keys += [(True, key) for _, key in keys]
+    reason = next((seen[key] for key in keys if key in seen), None)
     return None if reason is None else Rule(Path.LOCAL, local_rule, reason)
 
 

@@ -75,16 +75,29 @@ class OpCall:
         primals: the arguments by name (positional ones named by the rule's ``arguments``),
             tensors replaced by their primals; nested containers keep their structure.
         tangents: the same names, each tensor replaced by its tangent or None.
+        batch: None in a pass with one tangent; in a pass with a batch of tangents (``mixed_jacobian``,
+            vmap over ``mixed_grad``), the :class:`~mixedad._hooks.functorch.TangentBatch`. Tangents
+            are then torch.func's batched tensors: ordinary torch code on them computes every
+            tangent of the batch at once; a rule that needs plain tensors lowers them with it.
     """
 
     def __init__(self, func: Callable[..., Any], name: str, call: str, args: Sequence[Any], kwargs: Dict[str, Any],
-                 names: Sequence[str] = (), dispatch: Optional[Callable[..., Any]] = None) -> None:
+                 names: Sequence[str] = (), dispatch: Optional[Callable[..., Any]] = None,
+                 batch: Any = None, lowered: bool = False) -> None:
         self.func, self.name, self.call, self.args, self.kwargs = func, name, call, args, kwargs
+        self.batch = batch
+        #: Whether primals are plain tensors and tangents carry a leading tangent dimension
+        #: (a rule registered with ``batched=True``, in a batched pass).
+        self.lowered = lowered
         self._names = tuple(names)
         self._dispatch = dispatch
         self.rerouted: Optional[Tuple[Path, str]] = None
         self._primal_args, tangent_args = split_args(args)
         self._primal_kwargs, tangent_kwargs = split_tree(kwargs) if kwargs else ({}, {})
+        if lowered:
+            self._primal_args, tangent_args = lower_tree(batch, self._primal_args, tangent_args)
+            if kwargs:
+                self._primal_kwargs, tangent_kwargs = lower_tree(batch, self._primal_kwargs, tangent_kwargs)
         #: Whether any argument carries a tangent (the dispatcher makes the plain call if not).
         self.any_tangent = any_tangent(tangent_args, tangents=True) or (
             bool(kwargs) and any_tangent(tangent_kwargs, tangents=True))
@@ -133,17 +146,41 @@ class _Arguments(dict):
                        f"is registered with arguments=(...).")
 
 
-def pack(output, tangent):
-    """``output`` with ``tangent`` attached leaf by leaf (None: the leaf stays as it is)."""
+def lower_tree(batch, primals, tangents):
+    """``(primals, tangents)`` of a batched pass as plain tensors, tangents with a leading dimension k.
+
+    ``primals`` and ``tangents`` have one structure, as :func:`mixedad._hooks.dual_level.split_tree`
+    and ``split_args`` give them: ``tangents`` holds None for a leaf or a whole container without
+    a tangent.
+    """
+    if isinstance(primals, torch.Tensor):
+        plain = batch.lower_primal(primals)
+        return plain, None if tangents is None else batch.lower_tangent(tangents, plain)
+    if tangents is None:
+        leaves, spec = tree_flatten(primals)
+        return tree_unflatten([batch.lower_primal(t) if isinstance(t, torch.Tensor) else t for t in leaves], spec), None
+    if isinstance(primals, dict):
+        named = {key: lower_tree(batch, value, tangents[key]) for key, value in primals.items()}
+        return {k: p for k, (p, _) in named.items()}, {k: t for k, (_, t) in named.items()}
+    parts = [lower_tree(batch, p, t) for p, t in zip(primals, tangents)]
+    kind = list if isinstance(primals, list) else tuple
+    return kind(p for p, _ in parts), kind(t for _, t in parts)
+
+
+def pack(output, tangent, attach=dual):
+    """``output`` with ``tangent`` attached leaf by leaf (None: the leaf stays as it is).
+
+    ``attach(primal, tangent)`` makes each dual tensor (a batched pass lifts plain tensors).
+    """
     if tangent is None:
         return output
     if isinstance(output, torch.Tensor):
-        return output if tangent is None else dual(output, tangent)
+        return attach(output, tangent)
     out_leaves, spec = tree_flatten(output)
     tangent_leaves = tree_flatten(tangent, is_leaf=lambda x: x is None)[0]
     if len(tangent_leaves) != len(out_leaves):
         raise ValueError(f"a tangent rule returned {len(tangent_leaves)} tangents for {len(out_leaves)} outputs")
-    return tree_unflatten([o if t is None else dual(o, t) for o, t in zip(out_leaves, tangent_leaves)], spec)
+    return tree_unflatten([o if t is None else attach(o, t) for o, t in zip(out_leaves, tangent_leaves)], spec)
 
 
 class Rule(NamedTuple):
@@ -155,6 +192,10 @@ class Rule(NamedTuple):
         reason: why the op takes this path, for reports.
         arguments: the names of the op's positional arguments, in order, or None.
         owner: who wrote it: ``"mixedad"``, or the user's function's qualified name.
+        batched: whether the rule takes a batch of tangents as a leading dimension: in a batched
+            pass it then sees plain primals and tangents of shape ``(k, *primal.shape)``, runs
+            outside torch.func, and returns tangents of that shape. Other rules run on torch.func's
+            batched tensors as they are.
     """
 
     path: Path
@@ -162,18 +203,19 @@ class Rule(NamedTuple):
     reason: str
     arguments: Optional[Tuple[str, ...]] = None
     owner: str = "mixedad"
+    batched: bool = False
 
 
 #: The one table: op -> :class:`Rule`. Ops not in it take PyTorch's formula.
 TABLE: Dict[Any, Rule] = {}
 
 
-def defrule(path, *ops, reason, arguments=None):
+def defrule(path, *ops, reason, arguments=None, batched=False):
     """Register the decorated function as the rule of ``ops`` on ``path`` (mixedad's own rules)."""
 
     def register(apply):
         for op in ops:
-            TABLE[op] = Rule(Path(path), apply, reason, arguments_of(op, arguments))
+            TABLE[op] = Rule(Path(path), apply, reason, arguments_of(op, arguments), batched=batched)
         return apply
 
     return register

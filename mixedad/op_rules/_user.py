@@ -7,7 +7,7 @@ import torch
 
 from mixedad._hooks.function_apply import direct
 from mixedad._hooks.library_ops import registry_keys
-from mixedad.op_rules._custom_functions import verdict, warn_disagreement
+from mixedad.op_rules._custom_functions import verdict, verdict_in_batch, warn_disagreement
 from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, arguments_of, pack
 
 __all__ = ["register", "unregister"]
@@ -151,6 +151,8 @@ def _check(rule, op):
         return NotImplemented if result is NotImplemented else pack(*result)
 
     with direct():  # inside the dispatch, which runs ops plainly: the op's Functions as torch defines them
+        if op.batch is not None:
+            return verdict_in_batch(op.batch, rule, op.func, op.args, op.kwargs, with_jvp=True, jvp=pushed)
         return verdict(rule, op.func, op.args, op.kwargs, with_jvp=True, jvp=pushed)
 
 

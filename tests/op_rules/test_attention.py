@@ -189,3 +189,33 @@ def test_cuda_fused_primal_and_blockwise_tangent(dtype):
     ours = mixedad.mixed_grad(cubic, G, z, y, v, strategy="forward")
     expected = double_backward_mixed_grad(cubic, G.float(), z.float(), y.float(), v.float())
     assert_close(ours.float(), expected, rtol=1e-2 if dtype == torch.float16 else 1e-3)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "bool mask", "additive mask", "gqa", "cross lengths",
+                                  "frozen keys"])
+@pytest.mark.parametrize("block_bytes", [None, 2048])
+def test_a_batch_of_tangents_equals_one_tangent_at_a_time(case, block_bytes):
+    """blockwise_tangent with a leading tangent dimension: P once per block, the same numbers as a loop."""
+    gen = torch.Generator().manual_seed(0)
+    heads_kv = 1 if case == "gqa" else 2
+    lk = 5 if case == "cross lengths" else 7
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v = rand(2, 2, 7, 4), rand(2, heads_kv, lk, 4), rand(2, heads_kv, lk, 3)
+    dq, dk, dv = rand(3, 2, 2, 7, 4), rand(3, 2, heads_kv, lk, 4), rand(3, 2, heads_kv, lk, 3)
+    if case == "frozen keys":
+        dk = dv = None
+    kwargs = {"is_causal": case == "causal", "enable_gqa": case == "gqa", "block_bytes": block_bytes}
+    if case == "bool mask":
+        kwargs["attn_mask"] = torch.rand(7, lk, generator=gen) > 0.3
+    if case == "additive mask":
+        kwargs["attn_mask"] = rand(2, 1, 7, lk)
+    sdpa_kwargs = {key: value for key, value in kwargs.items() if key != "block_bytes"}
+    out = F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs)
+    batched = _attention.blockwise_tangent(q, k, v, out, dq, dk, dv, batched=True, **kwargs)
+    loop = torch.stack([_attention.blockwise_tangent(q, k, v, out, dq[i], None if dk is None else dk[i],
+                                                     None if dv is None else dv[i], **kwargs) for i in range(3)])
+    assert batched.shape == (3, *out.shape)
+    assert_close(batched, loop, rtol=1e-12)

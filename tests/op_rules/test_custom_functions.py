@@ -219,13 +219,23 @@ def test_mixed_jacobian_through_old_style_functions_without_jvp():
     assert_close(mixedad.mixed_jacobian(f, G, z, y, chunk_size=6), expected, rtol=1e-10)
 
 
-def test_vmap_over_mixed_grad_names_the_function_torch_func_cannot_run():
+def test_vmap_over_tangents_takes_a_function_torch_func_cannot_run():
+    """mixedad's own batched pass runs the Function outside torch.func (no setup_context, jvp or vmap needed)."""
     G = around(_OldStyle)
     z, y, _ = _problem(11)
     vs = torch.randn(3, *z.shape, dtype=F64)
+    ours = torch.func.vmap(lambda v: mixedad.mixed_grad(f, G, z, y, v))(vs)
+    assert_close(ours, torch.stack([double_backward(f, G, z, y, v) for v in vs]), rtol=1e-10)
+
+
+def test_vmap_over_codes_and_tangents_names_the_function_torch_func_cannot_run():
+    """A vmap that batches z too is torch.func's to run, and it cannot run this Function: mixedad says so."""
+    G = around(_OldStyle)
+    z, y, _ = _problem(11)
+    zs, vs = torch.randn(3, *z.shape, dtype=F64), torch.randn(3, *z.shape, dtype=F64)
     with pytest.raises(RuntimeError, match=r"G calls the custom autograd.Function _OldStyle inside a torch.func "
                                            r"transform.*defines setup_context and jvp and vmap"):
-        torch.func.vmap(lambda v: mixedad.mixed_grad(f, G, z, y, v))(vs)
+        torch.func.vmap(lambda z_, v: mixedad.mixed_grad(f, G, z_, y, v))(zs, vs)
 
 
 def test_a_gradient_hook_inside_g_is_honoured():

@@ -65,3 +65,26 @@ def test_group_norm_on_channels_last_with_frozen_or_z_dependent_affine(weight_fr
     assert_close(jvp_by_mixedad(G, z, v), jvp_by_double_backward(G, z, v))
     path = "local double-VJP" if weight_from_z else "written formula"
     assert "torch.nn.functional.group_norm" in mixedad.tangent_report(G, z, v).ops(path)
+
+
+@pytest.mark.parametrize("convert", [
+    lambda t: t.contiguous(memory_format=torch.channels_last),
+    lambda t: t.clone(memory_format=torch.channels_last),
+    lambda t: t.to(memory_format=torch.channels_last),
+], ids=["contiguous", "clone", "to"])
+def test_memory_format_conversions_take_the_rule_with_one_tangent_and_with_a_batch(convert):
+    """torch.func cannot batch PyTorch's formula for these; the rule gives the same tangent both ways."""
+    from mixedad._frontend.batched import push_tangents
+    from mixedad._frontend.tangents import push_tangent
+    from mixedad.op_rules import PathRecorder
+
+    gen = torch.Generator().manual_seed(0)
+    x, vs = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64), torch.randn(3, 2, 3, 4, 5, generator=gen,
+                                                                                    dtype=torch.float64)
+    G = lambda t: convert(t * 2.0).sin()  # noqa: E731
+    one, batched = PathRecorder(), PathRecorder()
+    loop = torch.stack([push_tangent("test", G, [x], [v], recorder=one)[1][0] for v in vs])
+    _, tangents, _ = push_tangents("test", G, [x], [vs], recorder=batched)
+    assert torch.allclose(tangents[0], loop, rtol=1e-13)
+    assert torch.allclose(loop, vs * 2.0 * (x * 2.0).cos(), rtol=1e-13)
+    assert {key[1] for key in one.counts} == {key[1] for key in batched.counts} == {"forward AD", "written formula"}

@@ -2,6 +2,7 @@
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from mixedad.op_rules import OpRules
 from mixedad._frontend.tangents import _forward
@@ -223,3 +224,33 @@ def test_generator_that_vmaps_inside_takes_general_forward_ad():
     general = _forward("test", G, (z,), (t,), None)
     assert_close(fast[1][0], general[1][0], rtol=1e-12)
     assert_close(fast[1][0], torch.nn.functional.linear(t, lin.weight).detach(), rtol=1e-12)
+
+
+# A batch of tangents: each frozen layer as one call on k tangents (batched or unbatched input).
+BATCHED_CASES = {
+    "linear": (lambda x, w: F.linear(x, w), (2, 5), (3, 5)),
+    "conv1d": (lambda x, w: F.conv1d(x, w, padding=1), (2, 3, 7), (4, 3, 3)),
+    "conv2d": (lambda x, w: F.conv2d(x, w, stride=2), (2, 3, 6, 6), (4, 3, 3, 3)),
+    "conv2d unbatched input": (lambda x, w: F.conv2d(x, w), (3, 6, 6), (4, 3, 3, 3)),
+    "conv3d": (lambda x, w: F.conv3d(x, w), (1, 2, 4, 4, 4), (3, 2, 2, 2, 2)),
+    "conv_transpose2d": (lambda x, w: F.conv_transpose2d(x, w, stride=2), (2, 3, 4, 4), (3, 4, 3, 3)),
+    "batch_norm eval": (lambda x, w: F.batch_norm(x, w[0], w[1].abs() + 0.5, training=False), (2, 3, 4), (2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(BATCHED_CASES))
+def test_a_batch_of_tangents_takes_the_frozen_rule_in_one_call(name):
+    from mixedad._frontend.batched import push_tangents
+    from mixedad._frontend.tangents import push_tangent
+    from mixedad.op_rules import PathRecorder
+
+    op, x_shape, w_shape = BATCHED_CASES[name]
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(w_shape, generator=gen, dtype=torch.float64)
+    x, vs = torch.randn(x_shape, generator=gen, dtype=torch.float64), torch.randn(5, *x_shape, generator=gen, dtype=torch.float64)
+    G = lambda t: op(t, w)  # noqa: E731
+    recorder = PathRecorder()
+    _, tangents, _ = push_tangents("test", G, [x], [vs], recorder=recorder)
+    loop = torch.stack([push_tangent("test", G, [x], [v])[1][0] for v in vs])
+    assert torch.allclose(tangents[0], loop, rtol=1e-12, atol=1e-14)
+    assert [(path, n) for (_, path, _), n in recorder.counts.items()] == [("frozen layer", 1)]

@@ -1,0 +1,127 @@
+r"""Many tangents at once: one forward pass of G with a batch of k tangents, on the per-op rules.
+
+.. math::
+
+    (g, \dot g_1, \ldots, \dot g_k) = \big(G(z),\ J_G(z)\, v_1, \ldots, J_G(z)\, v_k\big)
+
+``mixed_jacobian`` and ``torch.func.vmap`` over ``mixed_grad`` push their tangents here. The pass
+is torch.func's ``jvp`` inside a ``vmap`` over the tangents only
+(:class:`mixedad._hooks.functorch.TangentBatch`): the primal is computed once, and each op's
+tangent for the whole batch at once. The op rules (:mod:`mixedad.op_rules`) stay on, as in a
+pass with one tangent:
+
+- frozen layers and attention take the batch as a leading dimension of plain tensors (a
+  convolution of k tangents is one call with k times the batch; attention's probabilities are
+  computed once per block for all k, and the block budget is shared by them);
+- the local double-VJP rule and custom Functions (with or without ``jvp``, with or without
+  ``setup_context``) run once, outside torch.func, and differentiate their backward once per
+  tangent;
+- written formulas, users' rules and PyTorch's formulas run on torch.func's batched tensors.
+
+Memory: one forward pass holding the primal and k tangents, flat in G's depth. Grad mode is read
+at each op, as in a pass with one tangent.
+
+What a batch cannot take raises :class:`~mixedad.op_rules.UnderTransformError` (its callers then
+push one tangent per pass, with every rule and fallback): G needing the whole-G fallback (gradient
+hooks, ``torch.autograd.grad`` inside G, a backward that is not linear), G updating a buffer in
+place, attention with dropout, threads started by G, or a primal that depends on a transform
+outside mixedad's (G closing over a tensor that a user's vmap batches).
+"""
+import torch
+
+from mixedad._frontend.nesting import one_pass
+from mixedad._frontend.state import RngState, Snapshot
+from mixedad._frontend.tangents import _HOOKED, _THREADS, MAX_RESTARTS, _own_memory, _tensors_only, forward_pass
+from mixedad._hooks.function_apply import routing
+from mixedad._hooks.functorch import NotLowerable, TangentBatch, batched_at, tangents_of_innermost_vmap
+from mixedad._hooks.module_hooks import backward_hooks
+from mixedad._hooks.threads import watching_threads
+from mixedad.op_rules import OpRules, PathRecorder
+from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
+
+__all__ = ["push_tangents", "push_under_vmap"]
+
+
+def push_tangents(call, G, zs, vs, *, recorder=None):
+    r"""Evaluate G at z and push a batch of tangents through it in one pass.
+
+    Args:
+        call: the public call's name, for messages.
+        G: callable taking the tensors of ``zs`` positionally.
+        zs: primal tensors (plain: not a torch.func transform's).
+        vs: one tensor per primal, each of shape ``(k, *z.shape)``: the k tangents.
+        recorder: None, or a :class:`mixedad.op_rules.PathRecorder`.
+
+    Returns:
+        ``(g_leaves, tangent_leaves, spec)``: G's flattened output, the tangents of each leaf with
+        a leading dimension k (detached), and the pytree spec of G's output.
+
+    Raises:
+        UnderTransformError: the batch cannot be pushed in one pass (see the module docstring).
+    """
+    with one_pass(call):
+        snapshot = Snapshot(G, call=call)
+        if backward_hooks(snapshot.modules):
+            raise UnderTransformError(f"{call}: {_HOOKED}")
+        rules = OpRules(call, recorder, batch=TangentBatch())
+        for _ in range(MAX_RESTARTS + 1):
+            try:
+                with snapshot.watching():
+                    return _forward(call, G, zs, vs, rules)
+            except RestartPass:
+                snapshot.restore()  # the op that failed is now on the local rule
+            except UnderTransformError:
+                snapshot.restore()
+                raise
+            except (NeedsWholeG, NotLowerable) as error:
+                snapshot.restore()
+                raise UnderTransformError(f"{call}: {error}") from error
+            except OpRuleError:
+                raise
+            except NotImplementedError as error:  # an op the dispatch does not see has no formula
+                snapshot.restore()
+                raise UnderTransformError(f"{call}: {error}") from error
+        snapshot.restore()
+        raise UnderTransformError(f"{call}: more than {MAX_RESTARTS} ops of G needed the local rule in one call")
+
+
+def _forward(call, G, zs, vs, rules):
+    def refusal(reason):
+        return UnderTransformError(f"{call}: {reason}")
+
+    with forward_pass(rules):
+        G_flat, spec = _tensors_only(call, G, refusal)
+        with watching_threads() as threads:
+            with rules, routing(rules):
+                g, g_dot = rules.batch.push(G_flat, [_own_memory(z) for z in zs], [v.detach() for v in vs])
+            if not torch.is_grad_enabled():
+                raise refusal("G leaves grad mode off when it returns")
+        if threads:
+            raise NeedsWholeG(_THREADS)
+    return list(g), [t.detach() for t in g_dot], spec[0]
+
+
+def push_under_vmap(call, G, zs, vs, *, recorder=None):
+    """A user's ``torch.func.vmap`` over tangents only: the batch in one pass of mixedad's own.
+
+    Returns ``(g_leaves, tangent_leaves, spec)`` with the tangents batched at the user's vmap, as
+    a pass under it would give them, but computed with the op rules; or None where that cannot
+    be (the vmap batches z too, G closes over a tensor it batches, G draws random numbers, or
+    :func:`push_tangents` cannot take G), and the caller's pass under the transform goes on.
+    """
+    found = tangents_of_innermost_vmap(vs, zs)
+    if found is None:
+        return None
+    level, batch = found
+    rng, recorded = RngState(), PathRecorder()
+    try:
+        g_leaves, tangents, spec = push_tangents(call, G, zs, batch, recorder=recorded)
+    except UnderTransformError:
+        return None
+    if not rng.is_current():  # G draws random numbers: the user's vmap says how (randomness=...)
+        rng.restore()
+        return None
+    if recorder is not None:
+        for key, n in recorded.counts.items():
+            recorder.counts[key] = recorder.counts.get(key, 0) + n
+    return g_leaves, [batched_at(t, level) for t in tangents], spec
