@@ -9,7 +9,9 @@ are public.
 """
 from mixedad import benchmark, distributed, op_rules, profiling, reference, testing, zoo
 from mixedad.cached import cached_backward
+from mixedad.curvature import CurvatureError, ZCurvature, z_curvature
 from mixedad.graph import GraphReport, graph_report
+from mixedad.implicit import implicit_argmin, implicit_grad
 from mixedad.input_grad import input_grad
 from mixedad.mixed import mixed_grad, mixed_jacobian
 from mixedad.penalties import EagerPenalties
@@ -18,15 +20,20 @@ from mixedad.report import TangentReport, tangent_report
 __version__ = "0.1.0"
 
 __all__ = [
+    "CurvatureError",
     "EagerPenalties",
     "GraphReport",
     "TangentReport",
+    "ZCurvature",
     "cached_backward",
     "graph_report",
+    "implicit_argmin",
+    "implicit_grad",
     "input_grad",
     "mixed_grad",
     "mixed_jacobian",
     "tangent_report",
+    "z_curvature",
     "benchmark",
     "op_rules",
     "distributed",

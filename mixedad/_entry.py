@@ -75,6 +75,8 @@ def frozen(G):
     """
     if not isinstance(G, nn.Module):
         return G
+    if not any(p.requires_grad for p in G.parameters()):
+        return G  # already frozen: nothing for autograd to record
     if isinstance(G, torch.jit.ScriptModule):
         # functional_call cannot enter a scripted module: it runs as it is. torch.autograd.grad
         # still writes no .grad; only the graph through its parameters is kept as well.

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextI
 
 import torch
 from torch.autograd import forward_ad
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the console bar: tqdm.auto would want ipywidgets inside notebooks
 
 from mixedad import zoo
 from mixedad.mixed import mixed_grad

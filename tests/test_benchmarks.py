@@ -134,13 +134,27 @@ def test_attention_benchmark_runs_and_writes_results(tmp_path, monkeypatch, caps
     assert (tmp_path / "attention_cpu.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_many_tangents_benchmark_runs_and_writes_results(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["many_tangents.py", "--quick", "--repeats", "1", "--out", str(tmp_path)])
+def _run_quick(script, out, monkeypatch):
+    """Run a benchmark script in --quick mode with one repeat, writing into ``out``; it must exit 0."""
+    monkeypatch.setattr(sys, "argv", [script, "--quick", "--repeats", "1", "--out", str(out)])
     try:
-        runpy.run_path(str(BENCH / "many_tangents.py"), run_name="__main__")
+        runpy.run_path(str(BENCH / script), run_name="__main__")
     except SystemExit as exit:
         assert exit.code == 0
+
+
+def test_many_tangents_benchmark_runs_and_writes_results(tmp_path, monkeypatch, capsys):
+    _run_quick("many_tangents.py", tmp_path, monkeypatch)
     rows = json.loads((tmp_path / "many_tangents_cpu.json").read_text())["rows"]
     assert [r["generator"] for r in rows] == ["mlp", "dcgan", "attention"]
     assert all(r["max_rel_diff"] < 1e-5 for r in rows)  # float32: the batch and the loop agree
     assert "| attention |" in (tmp_path / "many_tangents_cpu.md").read_text()
+
+
+def test_curvature_benchmark_runs_and_checks_its_targets(tmp_path, monkeypatch, capsys):
+    _run_quick("curvature_vs_depth.py", tmp_path, monkeypatch)
+    rows = json.loads((tmp_path / "curvature_cpu.json").read_text())["rows"]
+    assert {(r["model"], r["depth"]) for r in rows} == {("mlp", 8), ("mlp", 32), ("dcgan", 8), ("dcgan", 32)}
+    assert all(r["hessian_rel_error"] < 1e-4 and r["implicit_rel_error"] < 1e-3 for r in rows)
+    text = (tmp_path / "curvature_cpu.md").read_text()
+    assert "| mlp: GGN peak / anchor, depth 32 |" in text and "| target | measured | bound | met |" in text
