@@ -18,6 +18,7 @@ from mixedad._curvature.cg import CurvatureError, conjugate_gradient
 from mixedad._curvature.segments import Chain, f_derivatives, push, split
 from mixedad._entry import eager, frozen, public_call
 from mixedad._frontend.state import RngState, Snapshot
+from mixedad._hooks.attention_backends import differentiable_attention
 from mixedad._hooks.pytree import differentiable, tree_flatten, tree_unflatten
 
 __all__ = ["z_curvature", "ZCurvature", "CurvatureError", "KINDS"]
@@ -102,7 +103,7 @@ class ZCurvature:
 
     def _keep_graph(self):
         z_work = [z.detach().requires_grad_() for z in self._zs]
-        with torch.enable_grad():
+        with torch.enable_grad(), differentiable_attention():  # G's graph is differentiated twice
             out = tree_flatten(frozen(self._G)(*z_work))[0]
             if self.kind == "ggn":
                 return z_work, [o if differentiable(o) and o.requires_grad else None for o in out]

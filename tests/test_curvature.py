@@ -232,3 +232,26 @@ def test_a_g_that_is_not_sequential_with_segments_meets_the_same_bounds_and_with
         _, segmented = peak_memory(lambda *a: mixedad.z_curvature(*a[:4], kind=kind, segments=segments) @ a[4],
                                    f, whole, z, y, u)
         assert segmented <= bound * anchor, (kind, segmented, anchor)
+
+
+def _autograd_references(f, G, z, y):
+    """Hessian and GGN by plain autograd (torch.func cannot run the zoo's custom Functions), math attention."""
+    with mixedad.reference.differentiable_attention():
+        hessian = torch.autograd.functional.hessian(lambda q: f(y, G(q)), z).reshape(z.numel(), z.numel())
+        g = G(z).detach()
+        J = torch.autograd.functional.jacobian(G, z).reshape(g.numel(), z.numel())
+        Hg = torch.autograd.functional.hessian(lambda q: f(y, q), g).reshape(g.numel(), g.numel())
+    return {"hessian": hessian, "ggn": J.T @ Hg @ J}
+
+
+@pytest.mark.parametrize("kind", ["hessian", "ggn"])
+@pytest.mark.parametrize("name", ["stylegan2_ada", "transformer_sdpa", "transformer_layer", "vq_decoder"])
+def test_zoo_generators_with_custom_functions_attention_and_quantisers(name, kind):
+    """Custom Functions without jvp or setup_context, fused attention (whose backward has no derivative: the
+    sweeps take the math backend), a cdist quantiser: against plain autograd in float64."""
+    G = mixedad.zoo.MEMBERS[name](dtype=F64, seed=0)
+    z = torch.randn(mixedad.zoo.latent_shape(G, 1), generator=torch.Generator().manual_seed(0), dtype=F64)
+    with torch.no_grad():
+        y = torch.randn(G(z).shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    op = mixedad.z_curvature(f_cubic, G, z, y, kind=kind)
+    assert_close(op.dense(), _autograd_references(f_cubic, G, z, y)[kind], rtol=1e-9)

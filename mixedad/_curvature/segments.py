@@ -37,9 +37,11 @@ from mixedad._entry import frozen
 from mixedad._frontend.batched import push_tangents
 from mixedad._frontend.state import RngState
 from mixedad._frontend.tangents import push_tangent
+from mixedad._hooks.attention_backends import differentiable_attention
 from mixedad._hooks.dual_level import unpack
 from mixedad._hooks.pytree import describe, differentiable, graph_inputs, tree_flatten, tree_unflatten
 from mixedad import _checks
+from mixedad.op_rules._attention import MathBackendWhereFusedDiffers
 from mixedad.op_rules._errors import UnderTransformError
 
 __all__ = ["split", "Chain", "f_derivatives", "push"]
@@ -251,7 +253,7 @@ class Chain:
         r"""``J_G^T w`` for k cotangents ``ws`` (one per output leaf, leading k; None where there is none)."""
         k = next(w.shape[0] for w in ws if w is not None)
         for i in reversed(range(len(self.segments))):
-            with torch.enable_grad():
+            with torch.enable_grad(), MathBackendWhereFusedDiffers():  # a reverse pass: exact attention
                 x, out = self._recompute(i)
                 live = [(o, w) for o, w in zip(out, ws) if w is not None and differentiable(o) and o.requires_grad]
                 rows = []
@@ -277,7 +279,7 @@ class Chain:
         """
         k = tangents[0][0].shape[0]
         for i in reversed(range(len(self.segments))):
-            with torch.enable_grad():
+            with torch.enable_grad(), differentiable_attention():  # fused kernels have no double backward
                 x, out = self._recompute(i)
                 live = [(o, l, m) for o, l, m in zip(out, lam, mu)
                         if l is not None and differentiable(o) and o.requires_grad]
