@@ -70,6 +70,8 @@ def push_tangents(call, G, zs, vs, *, recorder=None):
                     return _forward(call, G, zs, vs, rules)
             except RestartPass:
                 snapshot.restore()  # the op that failed is now on the local rule
+                if recorder is not None:
+                    recorder.counts.clear()  # the aborted pass's ops are counted again by the next one
             except UnderTransformError:
                 snapshot.restore()
                 raise

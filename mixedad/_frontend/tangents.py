@@ -294,6 +294,8 @@ def _push_forward(call, G, zs, vs, strategy, recorder, cotangent):
             break
         except RestartPass:
             snapshot.restore()  # the op that failed is now on the local rule
+            if recorder is not None:
+                recorder.counts.clear()  # the aborted pass's ops are counted again by the next one
         except OpRuleError:
             raise
         except NeedsWholeG as error:
