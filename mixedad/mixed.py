@@ -187,6 +187,8 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
     G = eager(G)
     n = z.numel()
     step = _checks.check_chunk_size(call, chunk_size) or n
+    if n == 0:  # no rows
+        return torch.zeros(*z.shape, *y.shape, dtype=y.dtype, device=y.device)
     if strategy == "reverse" or in_functorch_transform():
         # inside the user's own transform (vmap over codes): torch.func batches the tangents
         batched = vmap(lambda v: _mixed_grad(call, f, G, z, y, v, False, strategy), randomness="same")

@@ -147,11 +147,15 @@ def double_backward_mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[.
         y_work = y if y.requires_grad else y.detach().requires_grad_()
         out = f(y_work, G(z_work))
         _checks.check_scalar_output(call, out)
-        (df_dz,) = torch.autograd.grad(out.reshape(()), z_work, create_graph=True)
+        (df_dz,) = torch.autograd.grad(out.reshape(()), z_work, create_graph=True, allow_unused=True)
+        if df_dz is None or not df_dz.requires_grad:  # f does not depend on z (or not on z and y together)
+            return torch.zeros(*z.shape, *y.shape, dtype=y.dtype, device=y.device)
         rows = []
         for entry in df_dz.reshape(-1):
             (row,) = torch.autograd.grad(entry, y_work, retain_graph=True, allow_unused=True)
             rows.append(torch.zeros_like(y) if row is None else row.detach())
+    if not rows:  # an empty z
+        return torch.zeros(*z.shape, *y.shape, dtype=y.dtype, device=y.device)
     return torch.stack(rows).reshape(*z.shape, *y.shape)
 
 

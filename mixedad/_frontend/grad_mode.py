@@ -26,14 +26,24 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, resolve_name
 
+from mixedad._hooks.dual_level import any_tangent
 from mixedad._hooks.functorch import current_level, is_wrapped, under_differentiating_transform
 from mixedad._hooks.grad_mode import GRAD_MODE_SETTERS, forward_ad_enabled, set_grad_enabled
 from mixedad._hooks.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-__all__ = ["GRAD_MODE_SETTERS", "primals", "no_graph", "run_as_constant", "cannot_batch", "ReadGradMode",
+__all__ = ["GRAD_MODE_SETTERS", "REQUIRES_GRAD", "GRAPH_ATTRIBUTES", "primals", "no_graph", "run_as_constant", "cannot_batch", "ReadGradMode",
            "as_in_a_plain_call"]
+
+
+#: ``t.requires_grad`` as G reads it: True for a tensor that carries a tangent, as in reverse mode
+#: (G may branch on it: ``if h.requires_grad: h.register_hook(...)``).
+REQUIRES_GRAD = torch.Tensor.requires_grad.__get__  # type: ignore[attr-defined]  # the property's getter
+#: Reverse-mode graph attributes as G reads them: forward mode has no graph, so a G that branches
+#: on them takes the whole-G fallback, where they are what double backward sees.
+GRAPH_ATTRIBUTES = {torch.Tensor.is_leaf.__get__: "Tensor.is_leaf",  # type: ignore[attr-defined]
+                    torch.Tensor.grad_fn.__get__: "Tensor.grad_fn"}  # type: ignore[union-attr]
 
 
 def primals(tree):
@@ -81,9 +91,9 @@ class ReadGradMode(TorchFunctionMode):
     Inference mode entered inside G is refused too.
     """
 
-    def __init__(self, refuse=None, refusal=RuntimeError, untrusted=None):
+    def __init__(self, refuse=None, refusal=RuntimeError, untrusted=None, recorder=None):
         super().__init__()
-        self.refuse, self.refusal, self.untrusted = refuse or {}, refusal, untrusted
+        self.refuse, self.refusal, self.untrusted, self.recorder = refuse or {}, refusal, untrusted, recorder
         level = current_level()
         self.level = -1 if level is None else level  # G runs one level deeper, inside the pass's jvp
 
@@ -94,6 +104,11 @@ class ReadGradMode(TorchFunctionMode):
             return func(*args, **kwargs)  # a transform G runs inside itself (torch.func.grad in G)
         if func in GRAD_MODE_SETTERS:
             return func(*args, **kwargs)
+        if func == REQUIRES_GRAD and any_tangent(args):
+            return True  # as in reverse mode, where what depends on z requires grad
+        if func in GRAPH_ATTRIBUTES and any_tangent(args):
+            raise self.refusal(f"G reads {GRAPH_ATTRIBUTES[func]} of a tensor that depends on z, which only a reverse "
+                               f"pass has")
         if func in self.refuse:
             raise self.refusal(self.refuse[func])
         if self.untrusted is not None:
@@ -106,16 +121,20 @@ class ReadGradMode(TorchFunctionMode):
         if not torch.is_grad_enabled():
             return run_as_constant(func, args, kwargs)
         with no_graph():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        name = resolve_name(func) if self.recorder is not None else None
+        if name is not None and any_tangent(result):  # (torch.func's own make_dual has no public name)
+            self.recorder.add(name, "forward AD", "PyTorch's formula, in torch.func's pass")
+        return result
 
 
 def cannot_batch(func, args, kwargs):
     """Why an op of G cannot run inside torch.func (a batched pass), or None."""
     if torch.is_inference_mode_enabled():
         return "G enters inference mode inside itself"
-    if torch.is_grad_enabled() and _writes_captured(func, args, kwargs):
-        return ("G updates a buffer in place (BatchNorm's running statistics in train mode, a counter) with a "
-                "value computed from z")
+    if _writes_captured(func, args, kwargs):
+        return ("G writes in place into a tensor from outside torch.func's transform (a buffer: BatchNorm's running "
+                "statistics in train mode, an EMA or codebook update, a counter, a cache)")
     return None
 
 

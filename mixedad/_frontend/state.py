@@ -91,11 +91,13 @@ class Snapshot:
             return
         self._seen.add(id(module))
         self.modules.append(module)
-        self.attributes.append((module, _plain_attributes(module)))
-        for name, buf in module.named_buffers(recurse=False):
+        attributes = _plain_attributes(module)
+        self.attributes.append((module, attributes))
+        tensors = [(name, value, _TensorAttribute) for name, value in attributes.items() if isinstance(value, torch.Tensor)]
+        for name, buf, kind in [*((n, b, _Buffer) for n, b in module.named_buffers(recurse=False)), *tensors]:
             if buf is None:
                 continue
-            entry = _Buffer(module, name, buf)
+            entry = kind(module, name, buf)
             if module.training or entry.nbytes <= SMALL_BUFFER_BYTES:
                 entry.copy, entry.always = buf.detach().clone(), module.training
                 self.saved.append(entry)
@@ -169,6 +171,14 @@ class _Buffer:
     def changed(self):
         """Whether the recorded tensor was written in place since it was recorded (or last restored)."""
         return _version(self.tensor) != self.version
+
+
+class _TensorAttribute(_Buffer):
+    """A tensor kept as a plain module attribute (``self.ema = torch.zeros(...)``), not registered as a buffer."""
+
+    def put_back(self):
+        if self.module.__dict__.get(self.name) is not self.tensor:
+            self.module.__dict__[self.name] = self.tensor
 
 
 #: Plain module attributes a forward may set (step counts, flags, cached tensors): snapshots keep

@@ -121,10 +121,11 @@ def _forward(call, G, zs, vs, rules):
         if isinstance(G, nn.Module) and backward_hooks(G.modules()):
             raise refusal(_HOOKED)
         try:
-            with torch.enable_grad(), differentiable_attention(), routing(FunctionsUnderTransforms(call)), \
-                    watching_threads() as threads:
+            read_grad_mode = ReadGradMode(REVERSE_MODE_INSIDE, refusal, untrusted_under_transforms, rules.recorder)
+            with torch.enable_grad(), differentiable_attention(), \
+                    routing(FunctionsUnderTransforms(call, read_grad_mode)), watching_threads() as threads:
                 G_flat, spec = _tensors_only(call, G, refusal)
-                with ReadGradMode(REVERSE_MODE_INSIDE, refusal, untrusted_under_transforms):
+                with read_grad_mode:
                     g, g_dot = jvp(G_flat, tuple(z.detach() for z in zs), tuple(v.detach() for v in vs))
                 if not torch.is_grad_enabled():
                     raise refusal("G leaves grad mode off when it returns")

@@ -191,3 +191,25 @@ def tangents_of_innermost_vmap(tangents, constants):
 def batched_at(tensor, level):
     """A plain tensor with a leading batch dimension as a tensor batched at the vmap ``level``."""
     return torch._C._functorch._add_batch_dim(tensor, 0, level)
+
+
+def plain_example(tensor):
+    """A plain tensor with ``tensor``'s logical shape and values: under every transform, the first example of each batch.
+
+    Unwraps the transforms' wrappers from the innermost out (``_unwrap_for_grad`` for grad and jvp
+    levels, ``_unwrap_batched`` for vmap levels), then selects index 0 of each batch dimension,
+    outermost first, outside every transform.
+    """
+    dims = []
+    while is_wrapped(tensor):
+        level = torch._C._functorch.maybe_get_level(tensor)
+        if torch._C._functorch.is_batchedtensor(tensor):
+            tensor, dim = torch._C._functorch._unwrap_batched(tensor, level)
+            dims.append(dim)
+        else:
+            tensor = torch._C._functorch._unwrap_for_grad(tensor, level)
+    with TangentBatch.plain():
+        for dim in reversed(dims):
+            if dim is not None:
+                tensor = tensor.select(dim, 0)
+        return tensor.detach()

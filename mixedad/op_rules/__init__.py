@@ -57,7 +57,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Uni
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from mixedad._frontend.grad_mode import GRAD_MODE_SETTERS, cannot_batch, no_graph, run_as_constant
+from mixedad._frontend.grad_mode import (GRAD_MODE_SETTERS, GRAPH_ATTRIBUTES, REQUIRES_GRAD, cannot_batch, no_graph,
+                                         run_as_constant)
 from mixedad._hooks.composites import COMPOSITES, CompositeReentered, run_inside
 from mixedad._hooks.dual_level import any_tangent, any_tangent_in
 from mixedad._hooks.function_apply import original_apply
@@ -94,13 +95,6 @@ REVERSE_MODE_INSIDE = {
     torch.Tensor.backward: "G calls Tensor.backward inside itself",
     torch.Tensor.register_hook: "G registers a gradient hook (Tensor.register_hook), which forward mode never runs",
 }
-#: ``t.requires_grad`` as G reads it: True for a tensor that carries a tangent, as in reverse mode
-#: (G may branch on it: ``if h.requires_grad: h.register_hook(...)``).
-REQUIRES_GRAD = torch.Tensor.requires_grad.__get__  # type: ignore[attr-defined]  # the property's getter
-#: Reverse-mode graph attributes as G reads them: forward mode has no graph, so a G that branches
-#: on them takes the whole-G fallback, where they are what double backward sees.
-GRAPH_ATTRIBUTES = {torch.Tensor.is_leaf.__get__: "Tensor.is_leaf",  # type: ignore[attr-defined]
-                    torch.Tensor.grad_fn.__get__: "Tensor.grad_fn"}  # type: ignore[union-attr]
 
 
 @functools.lru_cache(maxsize=None)
@@ -241,7 +235,7 @@ class OpRules(TorchFunctionMode):
             elif not any_tangent_in(args, kwargs):
                 return func(*args, **kwargs)  # the plain call: no tangent to push
             if func in self.failed:  # its formula raised before, for these inputs: the local rule
-                rule = failed_rule(func, args, kwargs, batched=self.in_batch())
+                rule = failed_rule(func, args, kwargs)
                 if rule is not None:
                     result = self.apply(rule, func, args, kwargs)
                     if result is not NotImplemented:
@@ -253,12 +247,18 @@ class OpRules(TorchFunctionMode):
                 raise
             if not self.local:
                 raise NeedsWholeG(f"{op_name(func)} has no forward-mode AD formula here") from error
-            remember_failure(func, args, kwargs, error, batched=self.in_batch())
+            remember_failure(func, args, kwargs, error)  # no formula: a property of the op, dtype and device
             raise RestartPass(op_name(func), error) from error
         except RuntimeError as error:
             if isinstance(error, OpRuleError) or not self.local or not any_tangent((args, kwargs)):
                 raise
-            remember_failure(func, args, kwargs, error, batched=self.in_batch())
+            if self.in_batch():
+                # Under torch.func the failure may be the transform's (a batching rule it lacks, a random op in
+                # the caller's vmap with randomness="error"), not the formula's: nothing is remembered, and the
+                # batch steps aside (one tangent per pass, or torch.func's own pass).
+                raise UnderTransformError(f"{self.call}: {op_name(func)} failed in a batch of tangents "
+                                          f"({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__})") from error
+            remember_failure(func, args, kwargs, error)
             raise RestartPass(op_name(func), error) from error
         if self.recorder is not None and any_tangent(result):
             self.recorder.add(op_name(func), Path.FORWARD, "PyTorch's formula")

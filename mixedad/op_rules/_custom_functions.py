@@ -23,6 +23,7 @@ Function with ``jvp``, one jvp of that op, once per class. A probe cannot prove 
 clipping threshold far beyond both scales passes it. On meta and fake tensors, which hold no
 values, nothing is probed (the class is probed on the first call with real tensors).
 """
+import contextlib
 import functools
 import threading
 import warnings
@@ -36,7 +37,7 @@ from mixedad._frontend.grad_mode import no_graph, run_as_constant
 from mixedad._hooks.checkpoint import CheckpointFunction, run_directly
 from mixedad._hooks.dual_level import any_tangent, dual, dual_level_open, unpack
 from mixedad._hooks.function_apply import direct, has_own_jvp, has_own_vmap, has_setup_context, original_apply
-from mixedad._hooks.functorch import under_vmap
+from mixedad._hooks.functorch import TangentBatch, is_wrapped, plain_example, under_vmap
 from mixedad._hooks.module_hooks import BackwardHookFunction
 from mixedad._hooks.threads import unwatched
 from mixedad._hooks.torch_function_stack import popped
@@ -122,6 +123,21 @@ def verdict_in_batch(batch, key, apply, args, kwargs, *, with_jvp, jvp=None):
     with batch.plain():
         call_args, call_kwargs = tree_unflatten([p if t is None else dual(p, t[0]) for p, t in lowered], spec)
         return verdict(key, apply, call_args, call_kwargs, with_jvp=with_jvp, jvp=jvp)
+
+
+def verdict_under_transforms(cls, apply, args, kwargs):
+    """:func:`verdict` inside torch.func transforms (a vmap over codes): probed outside them, on plain examples.
+
+    Each tensor of the transforms is replaced by its first example (:func:`plain_example`); those
+    with a floating dtype carry a tangent for the probes. A class probed before keeps its verdict.
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    wrapped = [isinstance(t, torch.Tensor) and is_wrapped(t) for t in leaves]
+    plain = [plain_example(t) if w else t for t, w in zip(leaves, wrapped)]
+    with TangentBatch.plain():
+        probe = [dual(t, torch.zeros_like(t)) if w and t.is_floating_point() else t for t, w in zip(plain, wrapped)]
+        call_args, call_kwargs = tree_unflatten(probe, spec)
+        return verdict(cls, apply, call_args, call_kwargs, with_jvp=has_own_jvp(cls))
 
 
 def _has_data(tree):
@@ -358,14 +374,30 @@ class FunctionsUnderTransforms:
 
     under_transforms = True
 
-    def __init__(self, call):
+    def __init__(self, call, grad_mode=None):
         self.call = call
+        self.grad_mode = grad_mode  # the pass's ReadGradMode, stepped out of while the probes run
 
     def custom_function(self, cls, args, kwargs):
         needs = [("setup_context", has_setup_context(cls)), ("jvp", has_own_jvp(cls))]
         if under_vmap():
             needs.append(("vmap (or generate_vmap_rule = True)", cls.generate_vmap_rule or has_own_vmap(cls)))
         missing = [what for what, ok in needs if not ok]
+        if not missing and cls is not CheckpointFunction and torch.is_grad_enabled():
+            with popped(self.grad_mode) if self.grad_mode is not None else contextlib.nullcontext(), direct():
+                found = verdict_under_transforms(cls, functools.partial(original_apply, cls), args, kwargs)
+            name = f"{cls.__qualname__} (custom Function)"
+            if not found.linear:
+                raise FunctionUnderTransformError(
+                    f"{self.call}: {name} has a backward that is not linear in its incoming gradient (gradient clipping "
+                    f"or normalisation?), so only double backward's own cotangent gives its derivative, and torch.func "
+                    f"would use its jvp instead. Call mixed_grad once per tangent (mixed_jacobian does that by itself).")
+            if not found.jvp_agrees:
+                lhs, rhs = found.numbers
+                raise FunctionUnderTransformError(
+                    f"{self.call}: {cls.__qualname__}.jvp disagrees with the backward (the dot-product test gives "
+                    f"{lhs:.6g} against {rhs:.6g}), and torch.func would use the jvp. Reverse mode is the meaning: fix "
+                    f"the jvp, or call mixed_grad once per tangent, where mixedad differentiates the backward.")
         if missing and cls is not CheckpointFunction:
             raise FunctionUnderTransformError(
                 f"{self.call}: G calls the custom autograd.Function {cls.__qualname__} inside a torch.func "

@@ -201,33 +201,23 @@ def _kinds(args, kwargs):
     return ("no formula", tuple(sorted(kinds, key=str)))
 
 
-def remember_failure(func, args, kwargs, error, *, batched=False):
-    """Send ``func`` to the local rule from now on, for inputs like these.
-
-    A failure in a batch of tangents (torch.func's batching of the formula) is remembered for
-    batches only: the formula may well work with one tangent.
-    """
+def remember_failure(func, args, kwargs, error):
+    """Send ``func`` to the local rule from now on, for inputs like these."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if len(reason) > 120:
         reason = reason[:117] + "..."
     no_formula = isinstance(error, NotImplementedError)  # torch's "no forward-AD formula" type
-    signature = (batched, _kinds(args, kwargs) if no_formula else _signature(args, kwargs))
+    signature = _kinds(args, kwargs) if no_formula else _signature(args, kwargs)
     with _FAILED_LOCK:
         seen = FAILED.setdefault(func, {})
         if len(seen) < _MAX_FAILED_SIGNATURES:
             seen[signature] = f"forward-AD formula raised: {reason}"
 
 
-def failed_rule(func, args, kwargs, *, batched=False):
-    """The local rule for ``func`` if its formula raised before on inputs like these, else None.
-
-    In a batch of tangents, failures with one tangent count too.
-    """
+def failed_rule(func, args, kwargs):
+    """The local rule for ``func`` if its formula raised before on inputs like these, else None."""
     seen = FAILED[func]
-    keys = [(False, _kinds(args, kwargs)), (False, _signature(args, kwargs))]
-    if batched:
-        keys += [(True, key) for _, key in keys]
-    reason = next((seen[key] for key in keys if key in seen), None)
+    reason = seen.get(_kinds(args, kwargs)) or seen.get(_signature(args, kwargs))
     return None if reason is None else Rule(Path.LOCAL, local_rule, reason)
 
 

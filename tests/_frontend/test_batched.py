@@ -6,6 +6,8 @@ against double backward: exact, one batched pass (never one pass per tangent, ne
 fallback, whose warning the suite turns into an error), the same paths in the report as without
 vmap, and peak memory (exact byte counts) flat in depth.
 """
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -199,3 +201,142 @@ def test_nothing_of_the_batch_is_left_behind():
     assert current_level() is None
     assert torch.is_grad_enabled() and not torch.autograd.forward_ad._current_level >= 0
     assert torch.autograd.Function.apply.__code__ is torch.autograd.Function.__dict__["apply"].__func__.__code__
+
+
+# Found by a review as a new user: what torch.func's own pass (a vmap that the batch steps aside
+# for) must refuse rather than compute wrongly, and state a failed batch must not leave behind.
+
+W = torch.randn(4, 4, generator=torch.Generator().manual_seed(7), dtype=F64)
+
+
+def _f(y, g):
+    return ((g * y) ** 2).sum()
+
+
+def _hooked_if_requires_grad(x):
+    h = x @ W
+    if h.requires_grad:
+        h.register_hook(lambda g: g * 3.0)
+    return h.tanh()
+
+
+def _scaled_by_grad_fn(x):
+    h = x @ W
+    return h.tanh() * (2.0 if h.grad_fn is not None else 1.0)
+
+
+class _ClippedBackward(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g.clamp(-0.1, 0.1) * x.cos()
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return t * x.cos()
+
+
+class _WrongJvp(_ClippedBackward):
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.cos()
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return 2.0 * t * x.cos()
+
+
+@pytest.mark.parametrize("G, reason", [
+    (_hooked_if_requires_grad, "gradient hook"),
+    (_scaled_by_grad_fn, "grad_fn"),
+    (lambda x: _ClippedBackward.apply(x @ W).tanh(), "not linear"),
+], ids=["hook if requires_grad", "branch on grad_fn", "clipping backward with jvp"])
+def test_what_only_reverse_mode_gives_is_refused_under_vmap_and_exact_in_mixed_jacobian(G, reason):
+    z, y = torch.randn(3, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    with pytest.raises(mixedad.op_rules.UnderTransformError, match=reason):
+        torch.func.vmap(lambda v: mixedad.mixed_grad(_f, G, z, y, v))(torch.randn(2, 3, 4, dtype=F64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the whole-G fallback, row by row
+        ours = mixedad.mixed_jacobian(_f, G, z, y)
+    assert_close(ours, double_backward_mixed_jacobian(_f, G, z, y), rtol=1e-10)
+
+
+def test_a_jvp_that_disagrees_with_the_backward_is_refused_under_vmap_over_codes():
+    G = lambda x: _WrongJvp.apply(x @ W).tanh()  # noqa: E731
+    zs, vs, y = torch.randn(2, 3, 4, dtype=F64), torch.randn(2, 3, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    with pytest.raises(mixedad.op_rules.UnderTransformError, match="jvp disagrees with the backward"):
+        torch.func.vmap(lambda z, v: mixedad.mixed_grad(_f, G, z, y, v))(zs, vs)
+
+
+class _Ema(nn.Module):
+    """Updates an EMA of its activations in place under no_grad (a VQ codebook, a running mean)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4).to(F64)
+        self.register_buffer("average", torch.zeros(4, dtype=F64))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(0.1 * h.mean(0))
+        return h
+
+
+def test_an_in_place_update_under_no_grad_is_refused_by_name_under_vmap_and_replayed_once_in_mixed_jacobian():
+    G, z, y = _Ema(), torch.randn(3, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    with pytest.raises(mixedad.op_rules.UnderTransformError, match="writes in place into a tensor from outside"):
+        torch.func.vmap(lambda v: mixedad.mixed_grad(_f, G, z, y, v))(torch.randn(2, 3, 4, dtype=F64))
+    assert torch.equal(G.average, torch.zeros(4, dtype=F64))
+    ours = mixedad.mixed_jacobian(_f, G, z, y)
+    after = G.average.clone()
+    G.average.zero_()
+    assert_close(ours, double_backward_mixed_jacobian(_f, G, z, y), rtol=1e-10)
+    assert torch.equal(after, G.average)  # updated once, as by one forward pass
+
+
+def test_a_failed_vmap_leaves_no_failure_behind():
+    """A random op in the caller's vmap with randomness='error' fails: that is the transform's, not the formula's."""
+    mixedad.op_rules.forget_failures()
+    G = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3), nn.Tanh()).to(F64).train()
+    z, y = torch.randn(3, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    with pytest.raises(RuntimeError):
+        torch.func.vmap(lambda v: mixedad.mixed_grad(_f, G, z, y, v))(torch.randn(2, 3, 4, dtype=F64))
+    from mixedad.op_rules._local import FAILED
+    assert not FAILED
+    torch.manual_seed(0)
+    ours = mixedad.mixed_jacobian(_f, G, z, y)
+    torch.manual_seed(0)
+    assert_close(ours, double_backward_mixed_jacobian(_f, G, z, y), rtol=1e-10)
+
+
+def test_tangent_report_under_a_vmap_the_batch_steps_aside_for_lists_torch_funcs_paths():
+    G = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3), nn.Tanh()).to(F64).train()
+    seen = {}
+
+    def report(v):
+        seen["report"] = mixedad.tangent_report(G, torch.randn(3, 4, dtype=F64), v)
+        return v
+
+    torch.func.vmap(report, randomness="same")(torch.randn(2, 3, 4, dtype=F64))
+    assert "torch.nn.functional.dropout" in seen["report"].ops("forward AD"), str(seen["report"])
+
+
+def test_an_empty_z_has_an_empty_jacobian():
+    G, z, y = mixedad.zoo.mlp(2, 4, dtype=F64), torch.randn(0, 4, dtype=F64), torch.randn(0, 4, dtype=F64)
+    assert mixedad.mixed_jacobian(_f, G, z, y).shape == (0, 4, 0, 4)
+    assert double_backward_mixed_jacobian(_f, G, z, y).shape == (0, 4, 0, 4)

@@ -118,3 +118,20 @@ def test_batched_at_makes_a_plain_tensor_batched_at_a_level():
         return v + hook.batched_at(torch.arange(3.0)[:, None].expand(3, 2), level)
 
     assert torch.equal(torch.func.vmap(body)(torch.zeros(3, 2)), torch.arange(3.0)[:, None].expand(3, 2))
+
+
+def test_plain_example_is_the_first_example_under_every_transform():
+    seen = {}
+
+    def inner(x):
+        seen["example"] = hook.plain_example(x)
+        return x
+
+    def outer(xs):
+        return torch.func.vmap(inner, in_dims=1)(xs)
+
+    data = torch.arange(24.0).reshape(2, 3, 4)
+    torch.func.vmap(outer)(data)
+    assert not hook.is_wrapped(seen["example"]) and torch.equal(seen["example"], data[0][:, 0])
+    torch.func.jvp(inner, (torch.ones(3),), (torch.zeros(3),))
+    assert torch.equal(seen["example"], torch.ones(3)) and not hook.is_wrapped(seen["example"])

@@ -38,16 +38,6 @@ def test_local_jvp_is_exact_on_one_op_and_declines_without_tangents():
     assert torch.allclose(tangent, x.cos() * t)
 
 
-def test_a_failure_in_a_batch_of_tangents_is_remembered_for_batches_only():
-    """torch.func may fail to batch a formula that works with one tangent: single passes keep the formula."""
-    x = torch.randn(3, dtype=F64)
-    _local.remember_failure(torch.sin, (x,), {}, RuntimeError("no batching rule"), batched=True)
-    assert _local.failed_rule(torch.sin, (x,), {}, batched=True) is not None
-    assert _local.failed_rule(torch.sin, (x,), {}) is None
-    _local.remember_failure(torch.cos, (x,), {}, RuntimeError("raises with one tangent"))
-    assert _local.failed_rule(torch.cos, (x,), {}, batched=True) is not None  # and so in a batch
-
-
 def test_local_jvp_in_a_batch_of_tangents_runs_the_op_once():
     from mixedad._hooks.functorch import TangentBatch
 
