@@ -1,20 +1,32 @@
-"""Command line: ``python -m mixedad demo`` and ``python -m mixedad profile``."""
+"""Command line: ``python -m mixedad demo``, ``python -m mixedad profile`` and ``python -m mixedad plan``."""
 import argparse
 import pathlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import sys
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["main", "build_parser", "run_profile", "DTYPES", "DEMO_DTYPES", "PROFILE_DEFAULTS"]
+__all__ = ["main", "build_parser", "run_profile", "run_plan", "DTYPES", "DEMO_DTYPES", "PLAN_DTYPES",
+           "PROFILE_DEFAULTS"]
 
 DTYPES: Dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
 #: the demo also runs in half precision, which mixedad handles; profiling stays in float32/64
 DEMO_DTYPES: Dict[str, torch.dtype] = {**DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: memory plans are for GPU dtypes
+PLAN_DTYPES: Dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit code 2 (no usage dump, no traceback)."""
+
+    def error(self, message: str) -> "NoReturn":
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mixedad", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _OneLineParser(prog="python -m mixedad", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     demo = sub.add_parser("demo", help="mixed_grad vs double backward on a deep random generator")
     demo.add_argument("--model", choices=["mlp", "dcgan"], default="mlp")
     demo.add_argument("--depth", type=int, default=64,
@@ -40,6 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", default="profile-results", help="folder for the JSON, markdown and PNG")
     prof.add_argument("--trace", action="store_true",
                       help="also export a torch.profiler trace of each strategy at the largest depth")
+
+    from mixedad.profiling import PLAN_METHODS, plan_models
+
+    plan = sub.add_parser("plan", help="predicted peak memory on a GPU, from one run on meta tensors (no GPU needed)")
+    plan.add_argument("--model", choices=plan_models(), required=True)
+    plan.add_argument("--batch", type=int, default=1)
+    plan.add_argument("--resolution", type=int, default=1024, help="image side, or sequence length for gpt2-medium")
+    plan.add_argument("--dtype", choices=sorted(PLAN_DTYPES), default="float16")
+    plan.add_argument("--gpu-gib", type=float, default=80.0, help="memory of the card to check against (GiB)")
+    plan.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="whose kernel choices to emulate")
+    plan.add_argument("--methods", nargs="+", choices=list(PLAN_METHODS),
+                      default=["forward", "mixed_grad", "double_backward"])
     return parser
 
 
@@ -95,6 +119,37 @@ def run_profile(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return rows
 
 
+def _plan_error(message):
+    print(f"python -m mixedad plan: error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def run_plan(args: argparse.Namespace) -> Any:
+    """Build ``args.model`` on meta at its size, plan it, print the table and what fits in ``--gpu-gib``."""
+    from mixedad.profiling import PlanError, plan_model
+
+    for name in ("batch", "resolution"):
+        if getattr(args, name) < 1:
+            raise _plan_error(f"--{name} must be a positive integer, got {getattr(args, name)}.")
+    if args.resolution % 8 and args.model in ("stylegan2", "dcgan", "vq_decoder", "sd-vae"):
+        raise _plan_error(f"--resolution {args.resolution}: {args.model} needs a multiple of 8.")
+    if not args.gpu_gib > 0:
+        raise _plan_error(f"--gpu-gib must be positive, got {args.gpu_gib}.")
+    try:
+        result, what = plan_model(args.model, batch=args.batch, resolution=args.resolution,
+                                  dtype=PLAN_DTYPES[args.dtype], device=args.device, methods=args.methods)
+    except ModuleNotFoundError as error:
+        raise _plan_error(f"--model {args.model}: {error}.") from None
+    except PlanError as error:
+        raise _plan_error(str(error)) from None
+    print(f"{what}, batch {args.batch}, {args.dtype}, {args.device} kernels")
+    print(result)
+    fits = result.fits(args.gpu_gib)
+    print(f"fits in {args.gpu_gib:g} GiB: " + ", ".join(f"{m} {'yes' if ok else 'NO'}" for m, ok in fits.items()))
+    print(f"planned in {sum(result.seconds.values()):.1f} s")
+    return result
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
@@ -108,4 +163,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  dtype=DEMO_DTYPES[args.dtype], device=args.device, repeats=args.repeats)
     elif args.command == "profile":
         run_profile(args)
+    elif args.command == "plan":
+        run_plan(args)
     return 0

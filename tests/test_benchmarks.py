@@ -158,3 +158,12 @@ def test_curvature_benchmark_runs_and_checks_its_targets(tmp_path, monkeypatch, 
     assert all(r["hessian_rel_error"] < 1e-4 and r["implicit_rel_error"] < 1e-3 for r in rows)
     text = (tmp_path / "curvature_cpu.md").read_text()
     assert "| mlp: GGN peak / anchor, depth 32 |" in text and "| target | measured | bound | met |" in text
+
+
+def test_plan_headline_benchmark_runs_and_writes_results(tmp_path, monkeypatch, capsys):
+    _run_quick("plan_headline.py", tmp_path, monkeypatch)
+    rows = json.loads((tmp_path / "plan_headline.json").read_text())["rows"]
+    planned = [r for r in rows if "peak_bytes" in r]
+    assert planned and all(r["peak_bytes"]["double_backward"] > r["peak_bytes"]["forward"] for r in planned)
+    assert "| generator | batch | dtype | plain forward | mixed_grad | double backward | plan time |" in \
+        (tmp_path / "plan_headline.md").read_text()

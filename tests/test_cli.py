@@ -47,3 +47,30 @@ def test_demo_fd_check_only_where_finite_differences_are_valid():
     dcgan = run_demo(model="dcgan", depth=1, width=8, batch=2, repeats=1, out=io.StringIO())
     assert mlp64[0]["fd_rel_error"] < 1e-5
     assert mlp32[0]["fd_rel_error"] is None and dcgan[0]["fd_rel_error"] is None
+
+
+def test_plan_prints_the_table_and_what_fits(capsys):
+    from mixedad.cli import main
+
+    assert main(["plan", "--model", "dcgan", "--batch", "2", "--resolution", "64", "--dtype", "float32",
+                 "--gpu-gib", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "DCGAN" in out and "double_backward" in out and "fits 80 GiB" in out
+    assert "fits in 24 GiB: forward yes, mixed_grad yes, double_backward yes" in out and "planned in" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "vae"], "invalid choice: 'vae'"),
+    (["plan", "--model", "dcgan", "--batch", "0"], "--batch must be a positive integer, got 0"),
+    (["plan", "--model", "dcgan", "--resolution", "100"], "dcgan needs a multiple of 8"),
+    (["plan", "--model", "dcgan", "--gpu-gib", "-1"], "--gpu-gib must be positive"),
+    (["plan", "--model", "dcgan", "--dtype", "float64"], "invalid choice: 'float64'"),
+])
+def test_plan_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "mixedad", *argv], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr

@@ -30,6 +30,7 @@ TESTED_IN = {
     "mixedad/_hooks/__init__.py": "tests/test_layout.py",
     "mixedad/_frontend/__init__.py": "tests/test_layout.py",
     "mixedad/_curvature/__init__.py": "tests/test_layout.py",
+    "mixedad/_planner/__init__.py": "tests/test_layout.py",
 }
 ZOO_TESTS = "tests/test_zoo.py"
 

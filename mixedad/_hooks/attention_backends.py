@@ -13,7 +13,9 @@ What this relies on in torch (pinned by ``tests/_hooks/test_attention_backends.p
   torch 2.3) restricts SDPA to the math backend for the block;
 - ``torch.backends.mha.get_fastpath_enabled`` / ``set_fastpath_enabled`` switch the fast path
   process-wide (a flag, restored on exit);
-- ``nn.MultiheadAttention`` takes no fast path while a ``TorchFunctionMode`` is active.
+- ``nn.MultiheadAttention`` takes no fast path while a ``TorchFunctionMode`` is active;
+- ``torch.backends.cuda.flash_sdp_enabled()`` and ``mem_efficient_sdp_enabled()`` are False inside
+  ``sdpa_kernel(SDPBackend.MATH)``.
 """
 import contextlib
 
@@ -53,3 +55,12 @@ def differentiable_attention():
     """Attention kernels with every derivative: math SDPA, and no MHA / encoder-layer fast path."""
     with math_backend(), no_fused_attention_layers():
         yield
+
+
+def fused_attention_enabled():
+    """Whether SDPA may take a fused kernel here (flash or memory-efficient), not only the math backend.
+
+    Reads ``torch.backends.cuda.flash_sdp_enabled()`` and ``mem_efficient_sdp_enabled()``, the
+    flags ``sdpa_kernel`` sets for every device (:func:`math_backend` turns both off).
+    """
+    return torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()

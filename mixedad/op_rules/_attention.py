@@ -138,9 +138,7 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
     right = None if not right else (right[0] if len(right) == 1 else _cat_last(right))
     # P dV for all k tangents as one product: dV's k folded into its columns, (..., T, k E).
     dv_folded = None if dv is None else dv.movedim(-3, -2).flatten(-2)
-    start = 0
-    while start < lq:
-        step = _block_rows(start, lq, lk, budget, is_causal)
+    for start, step in _blocks(lq, lk, budget, is_causal, plan_only=q.is_meta):
         rows = slice(start, start + step)
         # Causal attention (top-left aligned) reads keys 0..row only: later keys are skipped.
         cols = slice(0, min(lk, rows.stop) if is_causal else lk)
@@ -164,8 +162,21 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
             term = pv.sub_(p_ds.sum(-1, keepdim=True) * o[..., rows, :])
             d_o = term if d_o is None else term.add_(d_o)
         tangent[..., rows, :] = d_o
-        start = rows.stop
     return _unbatch(tangent, batched).to(out.dtype)
+
+
+def _blocks(lq, lk, budget, is_causal, plan_only=False):
+    """``(start, rows)`` of each block of queries. With ``plan_only`` (meta tensors: a memory plan),
+    only the block with the most scores: each block frees its scores before the next, so the
+    largest one sets the peak, and a plan need not issue thousands of meta ops per layer."""
+    blocks, start = [], 0
+    while start < lq:
+        step = _block_rows(start, lq, lk, budget, is_causal)
+        blocks.append((start, step))
+        start += step
+    if plan_only:
+        return [max(blocks, key=lambda b: b[1] * (min(lk, b[0] + b[1]) if is_causal else lk))]
+    return blocks
 
 
 def _unbatch(tangent, batched):

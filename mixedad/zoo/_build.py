@@ -18,9 +18,16 @@ WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.C
 
 
 def seeded(build, seed, input_shape):
+    """``build()`` under a forked RNG seeded with ``seed``, with random BatchNorm statistics, calibrated.
+
+    Built under ``torch.device("meta")`` (for memory plans at full size), the module holds no
+    values: it is neither initialised nor calibrated, and nothing runs.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = build()
+        if any(p.is_meta for p in module.parameters()):
+            return module.eval()
         for m in module.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
                 m.running_mean.normal_(0.0, 0.1)
@@ -67,4 +74,7 @@ def _calibrate(module, input_shape):
 
 
 def finish(module, dtype, device):
+    """The module in ``dtype`` on ``device``; a module built on meta stays there (it has no values to move)."""
+    if any(p.is_meta for p in module.parameters()):
+        return module.to(dtype=dtype)
     return module.to(dtype=dtype, device=device)

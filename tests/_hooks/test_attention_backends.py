@@ -31,3 +31,10 @@ def test_math_backend_gives_the_reference_numbers():
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
     expected = torch.softmax(q @ q.mT / 8 ** 0.5, -1) @ q
     assert torch.allclose(out, expected)
+
+
+def test_the_fused_flags_read_false_inside_the_math_backend():
+    assert hook.fused_attention_enabled()
+    with hook.math_backend():
+        assert not hook.fused_attention_enabled()
+    assert hook.fused_attention_enabled()

@@ -53,3 +53,14 @@ def test_local_jvp_in_a_batch_of_tangents_runs_the_op_once():
                                    [z], [vs])
     assert calls == [1]
     assert torch.allclose(out[0], z.sin()) and torch.allclose(out_tangents[0], vs * z.cos(), rtol=1e-13)
+
+
+def test_failures_are_remembered_per_device_and_dtype():
+    """A CPU run's failures must not send a plan on meta (or another dtype) to the local rule."""
+    x = torch.randn(3, dtype=F64)
+    _local.remember_failure(torch.sin, (x,), {}, NotImplementedError("no formula"))
+    _local.remember_failure(torch.cos, (x,), {}, RuntimeError("raised"))
+    for func in (torch.sin, torch.cos):
+        assert _local.failed_rule(func, (x,), {}) is not None
+        assert _local.failed_rule(func, (torch.empty(3, dtype=F64, device="meta"),), {}) is None
+        assert _local.failed_rule(func, (x.float(),), {}) is None

@@ -1,0 +1,8 @@
+r"""Memory plans on meta tensors: the pieces behind :func:`mixedad.profiling.plan`.
+
+- :mod:`mixedad._planner.meta`: meta copies of G, z and y (G's parameters and buffers swapped for
+  meta tensors of the same sizes for the call; G itself untouched), and :class:`PlanError` for
+  what cannot run on meta.
+- :mod:`mixedad._planner.target`: the kernel choices of the target device, emulated on meta
+  (fused attention).
+"""
