@@ -78,17 +78,14 @@ def test_bad_arguments():
         plan(f, G, torch.randn(2, 4), torch.randn(2, 4), device="tpu")
 
 
-def test_a_plan_at_gpu_scale_takes_seconds_and_allocates_nothing():
-    """GPT-2-medium's shape without transformers: 24 causal attention layers, 1024 wide, 4096 tokens."""
-    import time
-
+def test_a_plan_at_gpu_scale_allocates_nothing():
+    """GPT-2-medium's shape without transformers: 24 causal attention layers, 1024 wide, 4096 tokens.
+    (How long plans take is benchmarks/plan_headline.py's to measure, not a timed test.)"""
     with torch.device("meta"):
         G = mixedad.zoo.attention_stack(1024, nhead=16, layers=24)
     z = torch.empty(1, 4096, 1024, device="meta", dtype=F32)
-    start = time.perf_counter()
     _, host = peak_memory(plan, f, G, z, z)
     result = plan(f, G, z, z)
-    assert time.perf_counter() - start < 60
     assert host < 2**20  # nothing real was allocated (only the counters' bookkeeping)
     assert result.peaks["double_backward"] > 100 * result.peaks["mixed_grad"]  # T x T scores against blocks
     assert result.fits(40) == {"forward": True, "mixed_grad": True, "double_backward": False}
