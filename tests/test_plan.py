@@ -70,6 +70,21 @@ def test_an_op_without_a_meta_kernel_is_named():
         plan(f, G, torch.randn(3), torch.randn(3), methods=("forward",))
 
 
+def test_fused_rnns_are_refused_rather_than_planned_too_low():
+    class Recurrent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    z = torch.randn(2, 5, 8)
+    for method in ("forward", "mixed_grad", "double_backward"):
+        with pytest.raises(PlanError, match=r"lstm \(nn.LSTM / GRU / RNN\) cannot be planned"):
+            plan(f, Recurrent(), z, torch.randn(2, 5, 16), methods=(method,))
+
+
 def test_bad_arguments():
     G = mixedad.zoo.mlp(2, 4)
     with pytest.raises(ValueError, match="methods from"):
