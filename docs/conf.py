@@ -55,6 +55,8 @@ def _generate(app):
     generated = HERE / "_generated"
     generated.mkdir(exist_ok=True)
     (generated / "op_paths_table.md").write_text(_op_paths_table())
+    # The tangent-speed table, as benchmarks/tangent_speed.py last wrote it.
+    shutil.copyfile(HERE.parent / "benchmarks" / "results" / "tangent_speed_cpu.md", generated / "tangent_speed_cpu.md")
     notebooks = HERE / "notebooks"
     notebooks.mkdir(exist_ok=True)
     for notebook in sorted((HERE.parent / "notebooks").glob("*.ipynb")):

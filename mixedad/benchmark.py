@@ -47,7 +47,8 @@ from mixedad.profiling import cpu_peak_memory, cuda_peak_memory, median_time
 from mixedad.reference import double_backward_mixed_grad
 from mixedad.testing import max_relative_error
 
-__all__ = ["profile", "markdown", "write", "script_arguments", "STRATEGIES", "DEFAULT_STRATEGIES", "MODELS"]
+__all__ = ["profile", "markdown", "write", "script_arguments", "interleaved_times", "interleaved_ratios", "STRATEGIES",
+           "DEFAULT_STRATEGIES", "MODELS"]
 
 
 def frozen_linear_tangent_kernel() -> Optional[Callable[..., torch.Tensor]]:
@@ -182,9 +183,8 @@ def peak(fn: Callable[[], Any], device: Union[str, torch.device]) -> Tuple[Any, 
     return cpu_peak_memory(fn)
 
 
-def interleaved_times(fns: Mapping[str, Callable[[], Any]], device: Union[str, torch.device],
-                      repeats: int) -> Dict[str, float]:
-    """Median seconds of each of ``fns`` (a dict), timed round-robin so all see the same machine."""
+def _round_robin(fns, device, repeats):
+    """Seconds of each of ``fns`` per round, timed round-robin so all see the same machine."""
     timer = (lambda fn: _cuda_median_time(fn, 1)) if torch.device(device).type == "cuda" else \
         (lambda fn: median_time(fn, repeats=1, warmup=0))
     for fn in fns.values():
@@ -200,7 +200,32 @@ def interleaved_times(fns: Mapping[str, Callable[[], Any]], device: Union[str, t
     finally:
         if collecting:
             gc.enable()
+    return samples
+
+
+def interleaved_times(fns: Mapping[str, Callable[[], Any]], device: Union[str, torch.device],
+                      repeats: int) -> Dict[str, float]:
+    """Median seconds of each of ``fns`` (a dict), timed round-robin so all see the same machine."""
+    samples = _round_robin(fns, device, repeats)
     return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def interleaved_ratios(fns: Mapping[str, Callable[[], Any]], base: str, device: Union[str, torch.device],
+                       repeats: int) -> Tuple[Dict[str, float], Dict[str, float]]:
+    r"""Median time of each of ``fns`` over ``fns[base]``'s, ratio by ratio, round-robin.
+
+    .. math::
+
+        r_s = \operatorname{median}_i \frac{t_s^{(i)}}{t_{\mathrm{base}}^{(i)}}
+
+    Each ratio is taken within one round, so a machine that slows down for a while (shared
+    cores) slows numerator and denominator alike. Returns ``(ratios, median seconds)``.
+    """
+    if base not in fns:
+        raise ValueError(f"interleaved_ratios: expected base among {sorted(fns)}, got {base!r}.")
+    samples = _round_robin(fns, device, repeats)
+    ratios = {name: statistics.median(t / b for t, b in zip(times, samples[base])) for name, times in samples.items()}
+    return ratios, {name: statistics.median(times) for name, times in samples.items()}
 
 
 def profile(model: str, depths: Sequence[int], *, width: int, batch: int, dtype: torch.dtype = torch.float32,

@@ -358,7 +358,7 @@ def plan(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Any, y: Any, 
     from mixedad import _checks
     from mixedad._planner.meta import meta_generator, meta_tree
     from mixedad._frontend.state import RngState
-    from mixedad._planner.target import DEVICES, TargetDevice
+    from mixedad._planner.target import DEVICES, TargetDevice, planning_for
 
     call = "plan(f, G, z, y)"
     unknown = [m for m in methods if m not in PLAN_METHODS]
@@ -376,7 +376,7 @@ def plan(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Any, y: Any, 
     try:
         for method in methods:
             start = time.perf_counter()
-            with TargetDevice(device), _PlanCounter(meta=True) as counter:
+            with TargetDevice(device), planning_for(device), _PlanCounter(meta=True) as counter:
                 PLAN_METHODS[method](f, G_meta, zs, y_meta)
             peaks[method], seconds[method] = counter.peak, time.perf_counter() - start
     finally:

@@ -167,3 +167,30 @@ def test_plan_headline_benchmark_runs_and_writes_results(tmp_path, monkeypatch, 
     assert planned and all(r["peak_bytes"]["double_backward"] > r["peak_bytes"]["forward"] for r in planned)
     assert "| generator | batch | dtype | plain forward | mixed_grad | double backward | plan time |" in \
         (tmp_path / "plan_headline.md").read_text()
+
+
+def _tangent_speed():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tangent_speed", BENCH / "tangent_speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tangent_speed_runs_side_by_side_and_leaves_the_readme_alone_elsewhere(tmp_path):
+    readme = (BENCH.parent / "README.md").read_text()
+    assert _tangent_speed().main(["--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = {r["generator"]: r for r in json.loads((tmp_path / "tangent_speed_cpu.json").read_text())["rows"]}
+    assert set(rows) == {"dcgan (eval)", "dcgan (train)", "mlp", "attention"}
+    assert set(rows["dcgan (eval)"]["time_vs_plain"]) == {"plain_forward", "mixed_grad", "torch.func.jvp", "hand JVP"}
+    assert rows["attention"]["peak_vs_plain"]["mixed_grad"] > 1
+    assert "| dcgan (train): mixed_grad time / plain forward |" in (tmp_path / "tangent_speed_cpu.md").read_text()
+    assert (BENCH.parent / "README.md").read_text() == readme
+
+
+def test_the_readme_speed_table_is_the_committed_results():
+    module = _tangent_speed()
+    table = (BENCH / "results" / "tangent_speed_cpu.md").read_text()
+    readme = (BENCH.parent / "README.md").read_text()
+    assert module.readme_with_table(readme, table) == readme, "run python benchmarks/tangent_speed.py"

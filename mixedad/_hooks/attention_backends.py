@@ -15,9 +15,14 @@ What this relies on in torch (pinned by ``tests/_hooks/test_attention_backends.p
   process-wide (a flag, restored on exit);
 - ``nn.MultiheadAttention`` takes no fast path while a ``TorchFunctionMode`` is active;
 - ``torch.backends.cuda.flash_sdp_enabled()`` and ``mem_efficient_sdp_enabled()`` are False inside
-  ``sdpa_kernel(SDPBackend.MATH)``.
+  ``sdpa_kernel(SDPBackend.MATH)``;
+- on the CPU, where ``torch._fused_sdp_choice`` answers ``SDPBackend.FLASH_ATTENTION``, SDPA
+  calls ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, whose first output is
+  SDPA's output bit for bit and whose second is the log-sum-exp of each row of scores
+  (:func:`fused_attention_with_lse`).
 """
 import contextlib
+import threading
 
 import torch
 
@@ -64,3 +69,57 @@ def fused_attention_enabled():
     flags ``sdpa_kernel`` sets for every device (:func:`math_backend` turns both off).
     """
     return torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
+
+
+def fused_attention_with_lse(query, key, value, attn_mask, is_causal, scale):
+    r"""``(out, lse)`` from the kernel SDPA takes here, or None where it is not the CPU flash kernel.
+
+    ``out`` is ``F.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal,
+    scale)`` bit for bit, and ``lse`` the log-sum-exp of each row of scores,
+    :math:`\log \sum_j \exp(S_{ij})` with :math:`S = \mathrm{scale}\,QK^\top + M`, of shape
+    ``query.shape[:-1]`` in float32 or float64. Only for 4-d float32 / float64 CPU tensors with
+    matching batch and head dimensions, and a floating (additive) mask or none: elsewhere SDPA
+    may convert the mask, broadcast, or take another kernel, and None is returned. Meta tensors
+    inside :func:`planning_for` ``("cpu")`` (a memory plan for the CPU) get the kernel's meta
+    outputs where the CPU would take it.
+    """
+    tensors = (query, key, value)
+    planned = all(t.device.type == "meta" for t in tensors) and getattr(_PLAN, "device", None) == "cpu"
+    if any(type(t) is not torch.Tensor or (t.device.type != "cpu" and not planned) or t.dim() != 4
+           or t.requires_grad for t in tensors):
+        return None
+    if query.dtype not in (torch.float32, torch.float64) or any(t.dtype != query.dtype for t in tensors):
+        return None
+    if not (query.shape[:2] == key.shape[:2] == value.shape[:2]):
+        return None
+    if attn_mask is not None and (type(attn_mask) is not torch.Tensor or attn_mask.dtype != query.dtype):
+        return None
+    choice = getattr(torch, "_fused_sdp_choice", None)
+    kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if choice is None or kernel is None:
+        return None
+    try:
+        from torch.nn.attention import SDPBackend
+    except ImportError:  # torch < 2.3
+        return None
+    if planned:  # a memory plan for the CPU, on meta: where the CPU would take flash (its dense, unit-stride case)
+        if any(t.stride(-1) != 1 for t in tensors) or query.shape[-1] != key.shape[-1]:
+            return None
+    elif choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale) != int(SDPBackend.FLASH_ATTENTION.value):
+        return None
+    out, lse = kernel(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+    return out, lse
+
+
+_PLAN = threading.local()
+
+
+@contextlib.contextmanager
+def planning_for(device):
+    """Inside the block, :func:`fused_attention_with_lse` on meta tensors acts as ``device`` would (a memory plan)."""
+    previous = getattr(_PLAN, "device", None)
+    _PLAN.device = device
+    try:
+        yield
+    finally:
+        _PLAN.device = previous

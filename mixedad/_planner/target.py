@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mixedad._hooks.attention_backends import fused_attention_enabled
+from mixedad._hooks.attention_backends import fused_attention_enabled, planning_for
 from mixedad._planner.meta import PlanError
 from mixedad.op_rules._rnn import FUSED_RNNS
 
-__all__ = ["TargetDevice", "DEVICES"]
+__all__ = ["TargetDevice", "DEVICES", "planning_for"]
 
 #: The devices a plan can target.
 DEVICES = ("cuda", "cpu")

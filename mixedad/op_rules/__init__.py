@@ -9,8 +9,9 @@ the same class):
 path                     used for
 =======================  ====================================================================
 ``frozen layer``         ``F.linear``, ``F.conv{1,2,3}d``, ``F.conv_transpose{1,2,3}d`` and
-                         eval-mode ``F.batch_norm`` whose weights carry no tangent: one plain
-                         call for the primal, one for the tangent
+                         ``F.batch_norm`` whose weights carry no tangent: one plain
+                         call for the primal, one for the tangent (batch statistics: a short
+                         written formula)
 ``blockwise attention``  ``F.scaled_dot_product_attention``: the user's fused kernel for the
                          primal, the tangent a block of queries at a time, never the whole
                          :math:`T \times T` matrix

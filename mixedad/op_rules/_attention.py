@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mixedad._hooks.attention_backends import math_backend
+from mixedad._hooks.attention_backends import fused_attention_with_lse, math_backend
 from mixedad._hooks.composites import COMPOSITES, run_inside
 from mixedad.op_rules._errors import UnderTransformError
 from mixedad.op_rules._table import Path, defrule
@@ -95,7 +95,7 @@ def _cat_last(tensors):
 
 
 def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=False, scale=None,
-                      enable_gqa=False, block_bytes=None, batched=False):
+                      enable_gqa=False, block_bytes=None, batched=False, lse=None):
     r"""The tangent of ``out = scaled_dot_product_attention(q, k, v, ...)``, a block of queries at a time.
 
     .. math::
@@ -104,7 +104,11 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
 
     ``dq``, ``dk`` and ``dv`` may be None (no tangent). With ``batched``, they carry a leading
     dimension k (a batch of tangents): the probabilities P of a block are computed once for all of
-    them, no primal is copied k times, and the block budget is shared. Returns a tensor of
+    them, no primal is copied k times, and the block budget is shared. ``lse``, where the primal's
+    kernel gave it, is the log-sum-exp of each row of scores (shape ``q.shape[:-1]``): the
+    probabilities of a block are then :math:`\exp(S - \mathrm{lse})`, with the subtraction folded
+    into the product that forms S (a column :math:`-\mathrm{lse}` beside Q, a column of ones
+    beside K), one pass over the block instead of a softmax's five. Returns a tensor of
     ``out``'s shape (with the leading k when ``batched``) and dtype; float16 and bfloat16 are
     computed in float32.
     """
@@ -132,24 +136,35 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
     # S = (scale Q) K^T, and dS = scale (dQ K^T + Q dK^T) as one product [scale dQ, scale Q] [K, dK]^T;
     # the scale is folded into the (T x E) factors once, not applied to every block of scores.
     q_scaled = q * scale
+    if lse is not None:  # S - lse in one product: [scale Q, -lse] [K, 1]^T
+        shift = lse.to(work).neg().unsqueeze(-1).unsqueeze(-3)
+        shift = shift.masked_fill_(~torch.isfinite(shift), float("-inf"))  # a row that sees no key: P = 0
+        q_shifted = _cat_last([q_scaled, shift])
+        k_shifted = _cat_last([k, k.new_ones(*k.shape[:-1], 1)])
+    else:
+        q_shifted = k_shifted = None
     left = [t for t in (None if dq is None else dq * scale, q_scaled if dk is not None else None) if t is not None]
     left = None if not left else (left[0] if len(left) == 1 else _cat_last(left))
     right = [t for t, d in ((k, dq), (dk, dk)) if d is not None]
     right = None if not right else (right[0] if len(right) == 1 else _cat_last(right))
     # P dV for all k tangents as one product: dV's k folded into its columns, (..., T, k E).
     dv_folded = None if dv is None else dv.movedim(-3, -2).flatten(-2)
+    # (P o dS) [V, 1]: the row sums of P o dS come out of the product as its last column.
+    v_ones = _cat_last([v.squeeze(-3), v.new_ones(*v.shape[:-3], v.shape[-2], 1)]) if left is not None else None
     for start, step in _blocks(lq, lk, budget, is_causal, plan_only=q.is_meta):
         rows = slice(start, start + step)
         # Causal attention (top-left aligned) reads keys 0..row only: later keys are skipped.
         cols = slice(0, min(lk, rows.stop) if is_causal else lk)
-        s = q_scaled[..., rows, :] @ k[..., cols, :].mT  # (..., 1, rows, cols): once for all tangents
+        if q_shifted is not None:
+            s = q_shifted[..., rows, :] @ k_shifted[..., cols, :].mT  # S - lse, (..., 1, rows, cols)
+        else:
+            s = q_scaled[..., rows, :] @ k[..., cols, :].mT  # (..., 1, rows, cols): once for all tangents
         if mask is not None:
             block = mask[..., rows, cols]
             s = s.masked_fill_(~block, float("-inf")) if block.dtype == torch.bool else s.add_(block)
         if is_causal and start + 1 < cols.stop:  # only the keys beyond the block's first row
-            later = torch.arange(start + 1, cols.stop, device=q.device) > torch.arange(start, rows.stop, device=q.device)[:, None]
-            s[..., start + 1:cols.stop].masked_fill_(later, float("-inf"))
-        p = _safe_softmax_(s)  # in place: s becomes P
+            s[..., start + 1:cols.stop].masked_fill_(_later_keys(step, cols.stop - start - 1, q.device), float("-inf"))
+        p = s.exp_() if q_shifted is not None else _safe_softmax_(s)  # in place: s becomes P
         del s
         d_o = None
         if dv_folded is not None:
@@ -157,12 +172,23 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
         if left is not None:
             p_ds = (left[..., rows, :] @ right[..., cols, :].mT).mul_(p)  # (..., k, rows, cols)
             del p
-            # (P o dS) V with the k tangents stacked as rows: V is not copied k times.
-            pv = (p_ds.flatten(-3, -2) @ v.squeeze(-3)[..., cols, :]).unflatten(-2, (size, step))
-            term = pv.sub_(p_ds.sum(-1, keepdim=True) * o[..., rows, :])
+            # (P o dS) [V, 1] with the k tangents stacked as rows: V is not copied k times.
+            pv = (p_ds.flatten(-3, -2) @ v_ones[..., cols, :]).unflatten(-2, (size, step))
+            del p_ds
+            term = pv[..., :ev].sub_(pv[..., ev:] * o[..., rows, :])
             d_o = term if d_o is None else term.add_(d_o)
         tangent[..., rows, :] = d_o
     return _unbatch(tangent, batched).to(out.dtype)
+
+
+def _later_keys(rows, keys, device):
+    """Which of the ``keys`` after a causal block's first row each of its ``rows`` must not see.
+
+    Row i of the block (query ``start + i``) sees key ``start + 1 + j`` only if ``j < i``, wherever
+    the block starts. Built each time (not cached): under a fake or meta mode a cached tensor
+    would outlive the mode.
+    """
+    return torch.ones(rows, keys, dtype=torch.bool, device=device).triu_()
 
 
 def _blocks(lq, lk, budget, is_causal, plan_only=False):
@@ -203,10 +229,15 @@ def sdpa_rule(op):
         op.reroute(Path.FORWARD, reason)
         with math_backend():
             return op.func(*op.args, **op.kwargs), None  # forward AD through the math backend's ops
-    primal = op.primal()
-    tangent = blockwise_tangent(q, k, v, primal, dq, dk, dv, attn_mask=mask, is_causal=op.primals.get("is_causal", False),
-                                scale=op.primals.get("scale"), enable_gqa=op.primals.get("enable_gqa", False),
-                                batched=op.lowered)
+    is_causal, scale = op.primals.get("is_causal", False), op.primals.get("scale")
+    fused = None
+    if not op.primals.get("enable_gqa", False) and not _rows_masked_by_large_numbers(mask):
+        # The kernel SDPA takes, called so that it also hands out its row statistics (the CPU flash kernel);
+        # not for rows masked by large finite numbers, whose log-sum-exp is rounded at that number.
+        fused = fused_attention_with_lse(q, k, v, mask, is_causal, scale)
+    primal, lse = fused if fused is not None else (op.primal(), None)
+    tangent = blockwise_tangent(q, k, v, primal, dq, dk, dv, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                enable_gqa=op.primals.get("enable_gqa", False), batched=op.lowered, lse=lse)
     return primal, tangent
 
 

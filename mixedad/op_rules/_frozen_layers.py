@@ -9,10 +9,12 @@ weights have no tangent, and the JVP of each such layer is the layer itself, wit
     \operatorname{linear}(x, W, b)\colon\ \dot y = \operatorname{linear}(\dot x, W) \qquad
     \operatorname{bn}_{\text{eval}}(x)\colon\ \dot y = \dot x \cdot \frac{\gamma}{\sqrt{\sigma^2 + \epsilon}}
 
-mixedad's op table (:mod:`mixedad.op_rules`) sends ``F.linear``, ``F.conv{1,2,3}d``,
-``F.conv_transpose{1,2,3}d`` and eval-mode ``F.batch_norm`` here. When the input carries a
+and batch norm over the batch's own statistics (training mode) has a short written tangent
+(:func:`_batch_statistics_tangent`; on the CPU, batch norm's own backward kernel, since its
+Jacobian in the input is symmetric). mixedad's op table (:mod:`mixedad.op_rules`) sends
+``F.linear``, ``F.conv{1,2,3}d``, ``F.conv_transpose{1,2,3}d`` and ``F.batch_norm`` here. When the input carries a
 tangent and the weights do not, a rule computes primal and tangent with two plain calls and
-returns them as a dual tensor; otherwise it declines (returns NotImplemented). Everything else (activations, train-mode normalisation, attention, weights that
+returns them as a dual tensor; otherwise it declines (returns NotImplemented). Everything else (activations, other normalisations, attention, weights that
 carry tangents such as modulated convolutions) takes ordinary forward AD.
 
 Kernels. The primal is always the user's own call, so ``G(z)`` comes out bit for bit as a plain
@@ -25,11 +27,16 @@ turns the oneDNN tangent off; float64 never takes it (oneDNN has no float64 kern
 neither does a pass under CPU autocast, where F.linear chooses the tangent's dtype as it does
 the primal's.
 """
+import threading
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixedad._hooks.batch_norm import batch_norm_kernels, batch_norm_tangent, batch_norm_with_statistics
 from mixedad._hooks.onednn import onednn_linear_op
+from mixedad._hooks.sequential import forward_hooks, running_child
 from mixedad.op_rules._table import Path, defrule
 
 _CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -95,6 +102,11 @@ def convolution_rule(op):
     if x_tangent is None:
         return NotImplemented
     if not op.lowered:
+        folded = _folded_weight(op)
+        if folded is not None:
+            tangent = op.primal(input=x_tangent, weight=folded, bias=None)
+            _FOLD.pending = weakref.ref(tangent)
+            return op.primal(), tangent
         return op.primal(), op.primal(input=x_tangent, bias=None)
     primal = op.primal()
     if op.primals["input"].dim() < _CONV_DIMS.get(op.func, 0):  # unbatched input: k is the batch
@@ -103,18 +115,128 @@ def convolution_rule(op):
     return primal, folded.unflatten(0, x_tangent.shape[:2])
 
 
-@defrule(Path.FROZEN, F.batch_norm, reason="eval-mode statistics", arguments=_BATCH_NORM_ARGS, batched=True)
-def batch_norm_eval_rule(op):
-    """Eval-mode batch norm with frozen statistics: the tangent is scaled per channel."""
+@defrule(Path.FROZEN, F.batch_norm, reason="frozen affine, statistics written out", arguments=_BATCH_NORM_ARGS,
+         batched=True)
+def batch_norm_rule(op):
+    """Batch norm with frozen weights: running statistics (eval) or the batch's own (training).
+
+    Eval mode scales the tangent per channel. With batch statistics (training, or no running
+    statistics) see :func:`_batch_statistics_tangent`. The primal is the user's call, so running
+    statistics are updated as a plain forward updates them.
+    """
     bound = op.primals
-    if bound.get("training", False) or bound.get("running_mean") is None or bound.get("running_var") is None:
-        return NotImplemented
     x_tangent = _frozen_input(op, "running_mean", "running_var", "weight", "bias")
     if x_tangent is None:
         return NotImplemented
-    scale = torch.rsqrt(bound["running_var"] + bound.get("eps", 1e-5))
-    if bound.get("weight") is not None:
-        scale = scale * bound["weight"]
-    x_dim = op.primals["input"].dim()  # a batch of tangents adds a leading dimension
-    shape = (1, -1, *([1] * (x_dim - 2))) if x_dim >= 2 else (-1,)
-    return op.primal(), x_tangent * scale.reshape(shape)
+    x = bound["input"]
+    eps = bound.get("eps", 1e-5)
+    batch_statistics = bound.get("training", False) or bound.get("running_mean") is None \
+        or bound.get("running_var") is None
+    if batch_statistics:
+        if x.dim() < 2 or x.dtype not in (torch.float32, torch.float64) or x_tangent.dtype != x.dtype:
+            return NotImplemented  # reduced precision: PyTorch's formula, which accumulates as the kernel does
+        if batch_norm_kernels(x) and not op.lowered and x_tangent.shape == x.shape:
+            # The user's call is this kernel here (bit for bit), and it hands out the statistics it used.
+            out, mean, invstd = batch_norm_with_statistics(x, bound.get("weight"), bound.get("bias"),
+                                                           bound.get("running_mean"), bound.get("running_var"),
+                                                           bound.get("momentum", 0.1), eps)
+            return out, batch_norm_tangent(x_tangent, x, bound.get("weight"), mean, invstd, eps)
+        return op.primal(), _batch_statistics_tangent(x, x_tangent, bound.get("weight"), eps, batched=op.lowered)
+    if _folded_into(x_tangent, bound):
+        return op.primal(), x_tangent  # the convolution before applied the scale
+    return op.primal(), x_tangent * _eval_scale(bound["running_var"], bound.get("weight"), eps).reshape(
+        _channel_shape(x.dim()))
+
+
+def _eval_scale(running_var, weight, eps):
+    r"""Eval batch norm's per-channel factor, :math:`\gamma / \sqrt{\sigma^2_{\text{running}} + \epsilon}`."""
+    scale = torch.rsqrt(running_var + eps)
+    return scale if weight is None else scale * weight
+
+
+#: The exact module classes whose calls a fold may span (a subclass may do more in its forward).
+_CONVOLUTIONS = {nn.Conv1d: 0, nn.Conv2d: 0, nn.Conv3d: 0, nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 1,
+                 nn.ConvTranspose3d: 1}  # class: the weight's output-channel dimension
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_FOLD = threading.local()  # pending: a weak reference to the last folded tangent (nothing of G is kept)
+
+
+def _folded_weight(op):
+    r"""The convolution's weight with the next eval BatchNorm's scale folded in, or None.
+
+    .. math::
+
+        \operatorname{bn}_{\text{eval}}(\operatorname{conv}(\dot x, W)) \text{'s tangent} =
+        \operatorname{conv}(\dot x, W \cdot s), \qquad s = \gamma / \sqrt{\sigma^2 + \epsilon}
+        \text{ per output channel}
+
+    saves the pass that scales the tangent. Only where the convolution's output can reach nothing
+    but that BatchNorm: the call is an exact ``nn.Conv*`` / ``nn.ConvTranspose*`` module (one
+    group) run by an ``nn.Sequential`` whose next child is an exact ``nn.BatchNorm*`` in eval mode
+    with running statistics, and neither module nor the process has forward hooks. The
+    BatchNorm's rule then finds this very tangent (by identity) and passes it on unscaled.
+    """
+    found = running_child()
+    if found is None:
+        return None
+    sequential, conv = found
+    dim = _CONVOLUTIONS.get(type(conv))
+    if dim is None or conv.weight is not op.primals["weight"] or conv.groups != 1:
+        return None
+    children = list(sequential._modules.values())
+    at = [i for i, child in enumerate(children) if child is conv]
+    if len(at) != 1 or at[0] + 1 == len(children):
+        return None
+    bn = children[at[0] + 1]
+    if (type(bn) not in _BATCH_NORMS or bn.training or not bn.track_running_stats or bn.running_var is None
+            or bn.running_mean is None or forward_hooks(conv, bn)):
+        return None
+    scale = _eval_scale(bn.running_var, bn.weight, bn.eps)
+    if scale.shape[0] != conv.weight.shape[dim] or scale.dtype != conv.weight.dtype:
+        return None
+    shape = [1] * conv.weight.dim()
+    shape[dim] = -1
+    return conv.weight * scale.reshape(shape)
+
+
+def _folded_into(x_tangent, bound):
+    """Whether ``x_tangent`` is the tangent a convolution computed with this BatchNorm's scale folded in."""
+    pending = getattr(_FOLD, "pending", None)
+    if pending is None or pending() is not x_tangent:
+        return False
+    _FOLD.pending = None
+    return True
+
+
+def _channel_shape(dim):
+    """The shape that broadcasts a per-channel vector over an input of ``dim`` dimensions (channels at 1)."""
+    return (1, -1, *([1] * (dim - 2))) if dim >= 2 else (-1,)
+
+
+def _batch_statistics_tangent(x, x_tangent, weight, eps, *, batched=False):
+    r"""The tangent of batch norm over the batch's own statistics, with frozen weight and bias.
+
+    With :math:`\mu, \sigma^2` the mean and biased variance per channel over the batch and the
+    spatial dimensions, :math:`\hat x = (x - \mu)/\sqrt{\sigma^2 + \epsilon}` and
+    :math:`s = \gamma / \sqrt{\sigma^2 + \epsilon}`:
+
+    .. math::
+
+        \dot y = s\,\big(\dot x - \overline{\dot x} - \hat x\, \overline{\dot x \hat x}\big)
+
+    (bars: means per channel). :math:`\hat x` and the statistics come from one call of batch
+    norm's own kernel without weights (a channel-wise reduction, much faster than ``var_mean``
+    over the batch and spatial dimensions), then two reductions of the tangent and two fused
+    multiply-adds, where PyTorch's general formula takes about twenty ops. With ``batched`` the
+    tangent carries a leading dimension of k tangents, each reduced on its own.
+    """
+    dims = [0, *range(2, x.dim())]
+    x_hat, _, invstd = torch.native_batch_norm(x, None, None, None, None, True, 0.0, eps)
+    scale = invstd.reshape(_channel_shape(x.dim()))
+    if weight is not None:
+        scale = scale * weight.reshape(_channel_shape(x.dim()))
+    tangent_dims = [d + 1 for d in dims] if batched else dims
+    tangent_mean = x_tangent.mean(dim=tangent_dims, keepdim=True)
+    projection = (x_tangent * x_hat).mean(dim=tangent_dims, keepdim=True)
+    out = torch.addcmul(tangent_mean.mul_(scale).neg_(), x_tangent, scale)  # s (x_tangent - mean(x_tangent))
+    return out.addcmul_(x_hat, projection.mul_(scale).neg_())  # - s x_hat mean(x_tangent x_hat)

@@ -1,4 +1,5 @@
 """Pins for mixedad._hooks.attention_backends: the math backend, the fast-path flag, and no fast path under a mode."""
+import pytest
 import torch
 from torch import nn
 
@@ -38,3 +39,37 @@ def test_the_fused_flags_read_false_inside_the_math_backend():
     with hook.math_backend():
         assert not hook.fused_attention_enabled()
     assert hook.fused_attention_enabled()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", ["causal", "additive mask", "scale", "cross lengths"])
+def test_the_cpu_flash_kernel_is_sdpa_bit_for_bit_and_hands_out_the_row_log_sum_exp(case, dtype):
+    import math
+
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    lk = 9 if case == "cross lengths" else 6
+    q = torch.randn(2, 3, 6, 4, generator=gen, dtype=dtype)
+    k, v = (torch.randn(2, 3, lk, 4, generator=gen, dtype=dtype) for _ in range(2))
+    mask = torch.randn(6, lk, generator=gen, dtype=dtype) if case == "additive mask" else None
+    is_causal, scale = case == "causal", 0.3 if case == "scale" else None
+    result = hook.fused_attention_with_lse(q, k, v, mask, is_causal, scale)
+    assert result is not None, "SDPA no longer takes the CPU flash kernel here"
+    out, lse = result
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale))
+    scores = q @ k.mT * (1 / math.sqrt(4) if scale is None else scale)
+    if mask is not None:
+        scores = scores + mask
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(6, lk, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+
+
+def test_where_sdpa_may_take_another_path_no_log_sum_exp_is_offered():
+    q = torch.randn(2, 3, 6, 4)
+    assert hook.fused_attention_with_lse(q, q, q, torch.ones(6, 6, dtype=torch.bool), False, None) is None  # bool mask
+    assert hook.fused_attention_with_lse(q[0], q[0], q[0], None, False, None) is None  # 3-d
+    assert hook.fused_attention_with_lse(q.half(), q.half(), q.half(), None, False, None) is None
+    assert hook.fused_attention_with_lse(q, q[:, :1], q[:, :1], None, False, None) is None  # heads differ
+    assert hook.fused_attention_with_lse(q.to("meta"), q.to("meta"), q.to("meta"), None, False, None) is None

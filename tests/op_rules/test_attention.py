@@ -219,3 +219,50 @@ def test_a_batch_of_tangents_equals_one_tangent_at_a_time(case, block_bytes):
                                                      None if dv is None else dv[i], **kwargs) for i in range(3)])
     assert batched.shape == (3, *out.shape)
     assert_close(batched, loop, rtol=1e-12)
+
+
+LSE_CASES = {
+    "causal": {"is_causal": True},
+    "additive mask": {"attn_mask": randn(7, 7)},
+    "rows that see no key": {"attn_mask": torch.zeros(7, 7, dtype=F64).index_fill_(0, torch.tensor([0, 4]),
+                                                                                  float("-inf"))},
+    "scale": {"scale": 0.3, "is_causal": True},
+}
+
+
+@pytest.mark.parametrize("case", sorted(LSE_CASES))
+def test_the_kernels_log_sum_exp_gives_the_same_tangent(case, monkeypatch):
+    """Where the CPU flash kernel hands out its row log-sum-exp, the rule takes it, and the answer is double backward's."""
+    taken = []
+    real = _attention.blockwise_tangent
+
+    def spy(*args, **kwargs):
+        taken.append(kwargs.get("lse") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_attention, "blockwise_tangent", spy)
+    kwargs = LSE_CASES[case]
+    G = lambda z: F.scaled_dot_product_attention(z, z * 2, z.sin(), **kwargs)  # noqa: E731
+    z, v = Q.clone(), randn(*Q.shape)
+    y = randn(*Q.shape)
+    ours = mixedad.mixed_grad(cubic, G, z, y, v, strategy="forward")
+    assert taken == [True]
+    expected = double_backward_mixed_grad(cubic, G, z, y, v)
+    assert_close(ours, expected, rtol=1e-10)
+    if case == "rows that see no key":
+        assert ours[..., [0, 4], :].abs().max() < 1e-12 < ours.abs().max()  # as double backward: 0 there
+
+
+def test_rows_masked_by_large_numbers_do_not_take_the_log_sum_exp(monkeypatch):
+    """The kernel's log-sum-exp of a row masked only by finfo.min is rounded there: the rule computes P itself."""
+    taken = []
+    real = _attention.blockwise_tangent
+    monkeypatch.setattr(_attention, "blockwise_tangent",
+                        lambda *a, **k: taken.append(k.get("lse") is not None) or real(*a, **k))
+    mask = torch.zeros(7, 7, dtype=F64)
+    mask[2] = torch.finfo(F64).min
+    G = lambda z: F.scaled_dot_product_attention(z, z * 2, z.sin(), attn_mask=mask)  # noqa: E731
+    z, v, y = Q.clone(), randn(*Q.shape), randn(*Q.shape)
+    assert_close(mixedad.mixed_grad(cubic, G, z, y, v, strategy="forward"), double_backward_mixed_grad(cubic, G, z, y, v),
+                 rtol=1e-10)
+    assert taken == [False]

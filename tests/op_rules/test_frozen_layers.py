@@ -24,8 +24,31 @@ LAYERS = {
     "batchnorm2d_eval_no_affine": (lambda: nn.BatchNorm2d(3, affine=False).eval(), (2, 3, 4, 4)),
     "batchnorm2d_train": (lambda: nn.BatchNorm2d(3).train(), (4, 3, 4, 4)),
     "batchnorm2d_no_running_stats": (lambda: nn.BatchNorm2d(3, track_running_stats=False).eval(), (4, 3, 4, 4)),
+    "batchnorm1d_train": (lambda: nn.BatchNorm1d(5).train(), (6, 5)),
+    "batchnorm1d_train_sequence": (lambda: nn.BatchNorm1d(3).train(), (4, 3, 7)),
+    "batchnorm3d_train": (lambda: nn.BatchNorm3d(2).train(), (3, 2, 3, 4, 4)),
+    "batchnorm2d_train_channels_last": (lambda: ChannelsLast(nn.BatchNorm2d(3).train()), (4, 3, 4, 4)),
+    "batchnorm2d_train_far_mean": (lambda: Offset(nn.BatchNorm2d(3).train(), 1e3), (4, 3, 4, 4)),
     "functional_kwargs": (lambda: FunctionalKwargs(), (2, 3, 6, 6)),
 }
+
+
+class ChannelsLast(nn.Sequential):
+    """A layer fed channels-last input (and so channels-last tangents)."""
+
+    def forward(self, x):
+        return super().forward(x.contiguous(memory_format=torch.channels_last))
+
+
+class Offset(nn.Sequential):
+    """A layer fed input whose mean lies far from zero against its spread."""
+
+    def __init__(self, layer, offset):
+        super().__init__(layer)
+        self.offset = offset
+
+    def forward(self, x):
+        return super().forward(x + self.offset)
 
 
 class FunctionalKwargs(nn.Module):
@@ -254,3 +277,125 @@ def test_a_batch_of_tangents_takes_the_frozen_rule_in_one_call(name):
     loop = torch.stack([push_tangent("test", G, [x], [v])[1][0] for v in vs])
     assert torch.allclose(tangents[0], loop, rtol=1e-12, atol=1e-14)
     assert [(path, n) for (_, path, _), n in recorder.counts.items()] == [("frozen layer", 1)]
+
+
+@pytest.mark.parametrize("layer", ["batchnorm2d_train", "batchnorm1d_train_sequence", "batchnorm2d_no_running_stats"])
+def test_batch_statistics_take_the_written_rule_alone_and_in_a_batch_of_tangents(layer):
+    """Training-mode batch norm takes the frozen-layer rule, one tangent or k at a time, exact against double backward."""
+    import mixedad
+    from mixedad.reference import double_backward_mixed_jacobian
+
+    build, shape = LAYERS[layer]
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Conv1d(shape[1], shape[1], 1) if len(shape) == 3 else nn.Identity(), build()).to(F64)
+    if len(shape) == 4:
+        G[0] = nn.Conv2d(shape[1], shape[1], 3, padding=1).to(F64)
+    G.requires_grad_(False)
+    z, y = torch.randn(shape, dtype=F64), torch.randn(shape, dtype=F64)
+    report = mixedad.tangent_report(G, z)
+    assert "torch.nn.functional.batch_norm" in str(report) and "frozen layer" in str(report)
+    assert "PyTorch's formula" not in str(report)
+    f = lambda y_, g: ((y_ + g) ** 3).sum()  # noqa: E731
+    before = {k: v.clone() for k, v in G.state_dict().items()}
+    expected = double_backward_mixed_jacobian(f, G, z, y)
+    G.load_state_dict(before)
+    assert_close(mixedad.mixed_jacobian(f, G, z, y, chunk_size=4), expected, rtol=1e-10)
+    if layer != "batchnorm2d_no_running_stats":
+        return  # running statistics updated in place: vmap over mixed_grad refuses them (tested with the batch)
+    vs = torch.randn(3, *shape, dtype=F64)
+    batched = torch.func.vmap(lambda v: mixedad.mixed_grad(f, G, z, y, v))(vs)
+    rows = expected.reshape(z.numel(), y.numel())  # mixed_jacobian: z.shape + y.shape
+    assert_close(batched, torch.stack([v.reshape(-1) @ rows for v in vs]).reshape(3, *y.shape), rtol=1e-10)
+
+
+def _eval_bn(channels, dims):
+    bn = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[dims](channels).eval()
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.normal_()
+        bn.bias.normal_()
+    return bn
+
+
+class ReusesItsConvolution(nn.Sequential):
+    """conv -> bn, and the convolution's output once more: no fold may apply."""
+
+    def forward(self, x):
+        h = self[0](x)
+        return self[1](h) + h
+
+
+def _output_kept_by_a_hook():
+    G = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _eval_bn(4, 2), nn.ReLU())
+    kept = []
+    G[0].register_forward_hook(lambda m, x, y: kept.append(y))
+    return nn.Sequential(G, nn.Identity()), kept
+
+
+FOLD_CASES = {  # name: (G, input shape, folds expected)
+    "conv1d": (lambda: nn.Sequential(nn.Conv1d(3, 4, 3), _eval_bn(4, 1), nn.ReLU()), (2, 3, 9), 1),
+    "conv2d_no_affine_bn": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False).eval()),
+                            (2, 3, 6, 6), 1),
+    "conv3d": (lambda: nn.Sequential(nn.Conv3d(2, 3, 2), _eval_bn(3, 3)), (1, 2, 4, 4, 4), 1),
+    "conv_transpose2d_stack": (lambda: nn.Sequential(nn.ConvTranspose2d(3, 4, 4, 2, 1, bias=False), _eval_bn(4, 2),
+                                                     nn.ReLU(), nn.Conv2d(4, 5, 3, padding=1), _eval_bn(5, 2),
+                                                     nn.Tanh()), (2, 3, 4, 4), 2),
+    "conv_transpose1d": (lambda: nn.Sequential(nn.ConvTranspose1d(3, 2, 3), _eval_bn(2, 1)), (2, 3, 5), 1),
+    "grouped_conv": (lambda: nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), _eval_bn(4, 2)), (2, 4, 5, 5), 0),
+    "train_mode_bn": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4).train()), (4, 3, 5, 5), 0),
+    "bn_with_a_pre_hook": (lambda: _with_pre_hook(nn.Sequential(nn.Conv2d(3, 4, 3), _eval_bn(4, 2))), (2, 3, 5, 5), 0),
+    "conv_output_reused": (lambda: ReusesItsConvolution(nn.Conv2d(3, 4, 3, padding=1), _eval_bn(4, 2)),
+                           (2, 3, 5, 5), 0),
+    "conv_output_kept_by_a_hook": (lambda: _KeptOutput(), (2, 3, 5, 5), 0),
+    "same_conv_twice": (lambda: _twice(), (2, 4, 6, 6), 0),
+}
+
+
+def _with_pre_hook(G):
+    G[1].register_forward_pre_hook(lambda m, x: (x[0] * 1.0,))
+    return G
+
+
+def _twice():
+    conv = nn.Conv2d(4, 4, 3, padding=1)
+    return nn.Sequential(conv, _eval_bn(4, 2), conv, _eval_bn(4, 2))
+
+
+class _KeptOutput(nn.Module):
+    """A forward hook keeps the convolution's output, which G adds to its result."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.kept = _output_kept_by_a_hook()
+
+    def forward(self, x):
+        self.kept.clear()
+        return self.inner(x) + self.kept[0]
+
+
+@pytest.mark.parametrize("name", sorted(FOLD_CASES))
+def test_eval_batchnorm_folds_into_the_convolution_before_it_only_where_nothing_else_sees_it(name, monkeypatch):
+    """The fold saves the tangent's scaling pass; wherever the convolution's output could reach more than the
+    BatchNorm (hooks, a reused output, a shared module, train mode, groups) it does not apply, and every case is
+    exact against double backward."""
+    import mixedad
+    from mixedad.op_rules import _frozen_layers
+    from mixedad.reference import double_backward_mixed_grad
+
+    folds = []
+    real = _frozen_layers._folded_into
+    monkeypatch.setattr(_frozen_layers, "_folded_into", lambda *a: folds.append(real(*a)) or folds[-1])
+    build, shape, expected_folds = FOLD_CASES[name]
+    torch.manual_seed(0)
+    G = build().to(F64).requires_grad_(False)
+    z, v = torch.randn(shape, dtype=F64), torch.randn(shape, dtype=F64)
+    state = {k: t.clone() for k, t in G.state_dict().items()}
+    with torch.no_grad():
+        y = torch.randn(G(z).shape, dtype=F64)
+    G.load_state_dict(state)
+    f = lambda y_, g: ((y_ + g) ** 3).sum()  # noqa: E731
+    ours = mixedad.mixed_grad(f, G, z, y, v)
+    assert sum(folds) == expected_folds
+    G.load_state_dict(state)
+    assert_close(ours, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-10)
