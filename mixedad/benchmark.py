@@ -205,7 +205,21 @@ def _round_robin(fns, device, repeats):
 
 def interleaved_times(fns: Mapping[str, Callable[[], Any]], device: Union[str, torch.device],
                       repeats: int) -> Dict[str, float]:
-    """Median seconds of each of ``fns`` (a dict), timed round-robin so all see the same machine."""
+    r"""Median seconds of each of ``fns`` (a dict), timed round-robin so all see the same machine.
+
+    .. math::
+
+        t_s = \operatorname{median}_i t_s^{(i)}
+
+    with round :math:`i` calling every function once, after one warm-up call each, the garbage
+    collector paused.
+
+    Example:
+        >>> from mixedad.benchmark import interleaved_times
+        >>> times = interleaved_times({"a": lambda: sum(range(100)), "b": lambda: None}, "cpu", repeats=3)
+        >>> sorted(times), all(t >= 0 for t in times.values())
+        (['a', 'b'], True)
+    """
     samples = _round_robin(fns, device, repeats)
     return {name: statistics.median(times) for name, times in samples.items()}
 
@@ -220,6 +234,13 @@ def interleaved_ratios(fns: Mapping[str, Callable[[], Any]], base: str, device: 
 
     Each ratio is taken within one round, so a machine that slows down for a while (shared
     cores) slows numerator and denominator alike. Returns ``(ratios, median seconds)``.
+
+    Example:
+        >>> from mixedad.benchmark import interleaved_ratios
+        >>> ratios, seconds = interleaved_ratios({"base": lambda: None, "x": lambda: sum(range(100))}, "base",
+        ...                                      "cpu", repeats=3)
+        >>> ratios["base"], sorted(seconds)
+        (1.0, ['base', 'x'])
     """
     if base not in fns:
         raise ValueError(f"interleaved_ratios: expected base among {sorted(fns)}, got {base!r}.")

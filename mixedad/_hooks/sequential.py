@@ -8,6 +8,8 @@ What this relies on in torch (pinned by ``tests/_hooks/test_sequential.py``):
 
 - ``nn.Sequential.forward`` calls its children in order, as ``input = module(input)``, with the
   running child in a local named ``module``;
+- ``frame.f_locals`` is, before Python 3.13, a dict snapshot that the frame keeps (and refreshes
+  on each access), so it is cleared after reading: it would keep the Sequential's ``input`` alive;
 - a module without forward hooks returns its ``forward``'s value unchanged, and the forward of
   ``nn.Conv{1,2,3}d`` / ``nn.ConvTranspose{1,2,3}d`` returns the value of its ``F.conv*`` call;
 - forward hooks live in ``module._forward_hooks`` and ``_forward_pre_hooks``, the global ones in
@@ -33,7 +35,13 @@ def running_child():
             return None
         if frame.f_code is _SEQUENTIAL_FORWARD:
             local = frame.f_locals
-            return local.get("self"), local.get("module")
+            try:
+                return local.get("self"), local.get("module")
+            finally:
+                if type(local) is dict:
+                    # Python < 3.13 keeps this snapshot of the locals on the frame: it would hold the
+                    # Sequential's current input (primal and tangent) alive after the loop moves on.
+                    local.clear()
         frame = frame.f_back
     return None
 

@@ -11,7 +11,13 @@ a float32 log-sum-exp per query:
 :class:`TargetDevice` gives a fused call exactly those allocations where the device would take a
 fused kernel: no input needs a graph (a plain forward, mixedad's primal), no dropout, and the
 fused backends are enabled (the reference's double backward switches them off and takes the math
-backend on a GPU too). What is not emulated, and so planned as the composite path: the
+backend on a GPU too). With a graph (``input_grad``'s forward), the fused call saves its inputs,
+output and log-sum-exp, and its backward allocates one gradient per input. The output takes the
+device's layout (the CPU's flash kernel: the query's; CUDA: tokens before heads), and a bool mask
+is converted to an additive one for the call. An additive mask under a graph is planned on the
+math backend, which ``input_grad``'s forward takes where a row is masked only by large finite
+numbers (HF's ``finfo.min`` padding): meta has no values to tell, so such a plan is high by the
+scores where the CPU or GPU would take the fused kernel, never low. What is not emulated, and so planned as the composite path: the
 ``nn.TransformerEncoderLayer`` / ``nn.MultiheadAttention`` fast path and device-specific output
 layouts (GroupNorm on channels_last). Fused RNNs (``nn.LSTM`` / ``GRU`` / ``RNN``) are refused:
 their memory is that of the device's kernel (cuDNN's reserve space, oneDNN's workspace), which a
@@ -50,13 +56,53 @@ class TargetDevice(TorchFunctionMode):
                 f"and a plan would read far too low. Measure it on the device with mixedad.profiling.peak_memory.")
         if func is F.scaled_dot_product_attention:
             bound = dict(zip(_SDPA_ARGS, args), **kwargs)
-            q, v = bound["query"], bound["value"]
-            fused = (isinstance(q, torch.Tensor) and q.is_meta and bound.get("dropout_p", 0.0) == 0.0
-                     and not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                                              for t in (q, bound["key"], v)))
-                     and fused_attention_enabled())
-            if fused:
-                out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device="meta")
-                torch.empty(q.shape[:-1], dtype=torch.float32, device="meta")  # the log-sum-exp, freed at once
-                return out
+            q, k, v, mask = bound["query"], bound["key"], bound["value"], bound.get("attn_mask")
+            if (isinstance(q, torch.Tensor) and q.is_meta and bound.get("dropout_p", 0.0) == 0.0
+                    and fused_attention_enabled()):
+                inputs = (q, k, v) if mask is None else (q, k, v, mask)
+                if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                        for t in inputs)):
+                    return _fused_outputs(q, v, mask, self.device)[0]  # the converted mask and lse freed at once
+                if mask is None or (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool):
+                    return _FusedAttention.apply(q, k, v, mask, self.device)  # input_grad's forward: a graph
+                # An additive mask under a graph: input_grad's forward takes the math backend where some row is
+                # masked only by large finite numbers, which meta cannot tell; planned so (high, never low).
         return func(*args, **kwargs)
+
+
+def _fused_outputs(q, v, mask, device):
+    """What a fused SDPA kernel allocates: ``(output, log-sum-exp, the mask it reads)``.
+
+    A bool mask is converted to an additive one of the query's dtype (a graph keeps it for the
+    backward).
+    The CPU's flash kernel gives its output the query's memory layout; CUDA's kernels work on
+    (batch, tokens, heads, features) and return a view of that.
+    """
+    converted = torch.empty(mask.shape, dtype=q.dtype, device="meta") if (
+        isinstance(mask, torch.Tensor) and mask.dtype == torch.bool) else mask
+    shape = (*q.shape[:-1], v.shape[-1])
+    if device == "cuda" and q.dim() == 4:
+        out = torch.empty(shape[0], shape[2], shape[1], shape[3], dtype=q.dtype, device="meta").transpose(1, 2)
+    else:
+        order = sorted(range(q.dim()), key=lambda d: -q.stride(d))  # q's dims from outermost to innermost
+        out = torch.empty([shape[d] for d in order], dtype=q.dtype, device="meta").permute(
+            [order.index(d) for d in range(q.dim())])
+    lse = torch.empty(q.shape[:-1], dtype=torch.float64 if q.dtype == torch.float64 and device == "cpu"
+                      else torch.float32, device="meta")
+    return out, lse, converted
+
+
+class _FusedAttention(torch.autograd.Function):
+    """A fused SDPA on meta with a graph: saves the inputs, the output and the log-sum-exp; its
+    backward allocates one gradient per input (the math backend would save T x T scores)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, device):
+        out, lse, converted = _fused_outputs(q, v, mask, device)
+        ctx.save_for_backward(q, k, v, out, lse, converted)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None

@@ -171,6 +171,7 @@ class OpRules(TorchFunctionMode):
         self.skip = skip
         self.failed = FAILED if self.local else {}
         self._rules: Dict[Any, Optional[Rule]] = {}  # func -> its rule in this pass (TABLE and the skips do not change during one)
+        _frozen_layers.forget_folds()  # a fold that a pass stopped early left behind (see _frozen_layers._fold)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

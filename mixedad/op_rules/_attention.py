@@ -16,10 +16,13 @@ computed one block of queries at a time (all batch entries and heads together), 
 chosen by bytes: about :data:`BLOCK_BYTES` of scores. With ``is_causal`` a block reads only the
 keys its rows can see. Memory: O(block x T) for the scores plus the primal and tangent of the
 output. Time: four matrix products per block (S, P dV, the stacked
-:math:`[\dot Q, Q][K, \dot K]^\top` and :math:`(P \circ \dot S) V`) on top of the fused primal.
-Terms of inputs without a tangent are skipped (a frozen K and V, as in cross-attention to a
-fixed context, costs two products less). On CUDA the primal is the flash or memory-efficient
-kernel that PyTorch picks; the tangent is the same code.
+:math:`[\dot Q, Q][K, \dot K]^\top` and :math:`(P \circ \dot S) [V, 1]`, whose last column is
+the row sums of :math:`P \circ \dot S`) on top of the fused primal. On the CPU, where SDPA takes
+the flash kernel, the primal comes from that kernel called so that it also hands out each row's
+log-sum-exp, and a block's probabilities are :math:`\exp(S - \mathrm{lse})` (two passes over
+the block, not a softmax's five). Terms of inputs without a tangent are skipped (a frozen K and
+V, as in cross-attention to a fixed context, costs two products less). On CUDA the primal is the
+flash or memory-efficient kernel that PyTorch picks; the tangent is the same code.
 
 Covered: ``attn_mask`` (bool, True = attend, or additive), ``is_causal`` (top-left aligned, as
 PyTorch's), ``scale``, ``enable_gqa``, query and key lengths that differ, any batch dimensions.
@@ -106,11 +109,9 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
     dimension k (a batch of tangents): the probabilities P of a block are computed once for all of
     them, no primal is copied k times, and the block budget is shared. ``lse``, where the primal's
     kernel gave it, is the log-sum-exp of each row of scores (shape ``q.shape[:-1]``): the
-    probabilities of a block are then :math:`\exp(S - \mathrm{lse})`, with the subtraction folded
-    into the product that forms S (a column :math:`-\mathrm{lse}` beside Q, a column of ones
-    beside K), one pass over the block instead of a softmax's five. Returns a tensor of
-    ``out``'s shape (with the leading k when ``batched``) and dtype; float16 and bfloat16 are
-    computed in float32.
+    probabilities of a block are then :math:`\exp(S - \mathrm{lse})`, two passes over the block
+    instead of a softmax's five. Returns a tensor of ``out``'s shape (with the leading k when
+    ``batched``) and dtype; float16 and bfloat16 are computed in float32.
     """
     lq, lk, e = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
@@ -128,43 +129,43 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
     batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     ev = v.shape[-1]
     tangent = torch.zeros(*batch, size, lq, ev, dtype=work, device=q.device)
-    if dq is None and dk is None and dv is None:
+    if (dq is None and dk is None and dv is None) or lk == 0:  # no tangent, or no key to attend to
         return _unbatch(tangent, batched).to(out.dtype)
     mask = None if attn_mask is None else attn_mask.expand(*batch, lq, lk).unsqueeze(-3)
     budget = (BLOCK_BYTES if block_bytes is None else block_bytes) // (
         max(1, math.prod(batch) * size) * (torch.finfo(work).bits // 8))  # score entries per block
     # S = (scale Q) K^T, and dS = scale (dQ K^T + Q dK^T) as one product [scale dQ, scale Q] [K, dK]^T;
-    # the scale is folded into the (T x E) factors once, not applied to every block of scores.
-    q_scaled = q * scale
-    if lse is not None:  # S - lse in one product: [scale Q, -lse] [K, 1]^T
-        shift = lse.to(work).neg().unsqueeze(-1).unsqueeze(-3)
-        shift = shift.masked_fill_(~torch.isfinite(shift), float("-inf"))  # a row that sees no key: P = 0
-        q_shifted = _cat_last([q_scaled, shift])
-        k_shifted = _cat_last([k, k.new_ones(*k.shape[:-1], 1)])
+    # the scale is folded into the (T x E) factors once, not applied to every block of scores. Where both
+    # are needed, scale Q is the second half of the left factor (a view), not a copy of its own.
+    if dk is not None and size == 1:  # one tangent: scale Q is a view of the left factor
+        left = _cat_last([dq * scale, q * scale]) if dq is not None else q * scale
+        q_scaled = left[..., -e:]
     else:
-        q_shifted = k_shifted = None
-    left = [t for t in (None if dq is None else dq * scale, q_scaled if dk is not None else None) if t is not None]
-    left = None if not left else (left[0] if len(left) == 1 else _cat_last(left))
+        q_scaled = q * scale
+        parts = [t for t in (None if dq is None else dq * scale, q_scaled if dk is not None else None) if t is not None]
+        left = None if not parts else (parts[0] if len(parts) == 1 else _cat_last(parts))
     right = [t for t, d in ((k, dq), (dk, dk)) if d is not None]
     right = None if not right else (right[0] if len(right) == 1 else _cat_last(right))
-    # P dV for all k tangents as one product: dV's k folded into its columns, (..., T, k E).
-    dv_folded = None if dv is None else dv.movedim(-3, -2).flatten(-2)
+    # The kernel's log-sum-exp, +inf on a row that sees no key (so that its P is 0, never NaN).
+    shift = None if lse is None else lse.to(work).unsqueeze(-1).unsqueeze(-3).nan_to_num(posinf=math.inf,
+                                                                                          neginf=math.inf)
+    # P dV for all k tangents as one product: dV's k folded into its columns, (..., T, k E); one tangent: dV itself.
+    dv_folded = None if dv is None else (dv.squeeze(-3) if size == 1 else dv.movedim(-3, -2).flatten(-2))
     # (P o dS) [V, 1]: the row sums of P o dS come out of the product as its last column.
     v_ones = _cat_last([v.squeeze(-3), v.new_ones(*v.shape[:-3], v.shape[-2], 1)]) if left is not None else None
     for start, step in _blocks(lq, lk, budget, is_causal, plan_only=q.is_meta):
         rows = slice(start, start + step)
         # Causal attention (top-left aligned) reads keys 0..row only: later keys are skipped.
         cols = slice(0, min(lk, rows.stop) if is_causal else lk)
-        if q_shifted is not None:
-            s = q_shifted[..., rows, :] @ k_shifted[..., cols, :].mT  # S - lse, (..., 1, rows, cols)
-        else:
-            s = q_scaled[..., rows, :] @ k[..., cols, :].mT  # (..., 1, rows, cols): once for all tangents
+        s = q_scaled[..., rows, :] @ k[..., cols, :].mT  # (..., 1, rows, cols): once for all tangents
+        if shift is not None:
+            s.sub_(shift[..., rows, :])  # S - lse: exp of it is P
         if mask is not None:
             block = mask[..., rows, cols]
             s = s.masked_fill_(~block, float("-inf")) if block.dtype == torch.bool else s.add_(block)
         if is_causal and start + 1 < cols.stop:  # only the keys beyond the block's first row
             s[..., start + 1:cols.stop].masked_fill_(_later_keys(step, cols.stop - start - 1, q.device), float("-inf"))
-        p = s.exp_() if q_shifted is not None else _safe_softmax_(s)  # in place: s becomes P
+        p = s.exp_() if shift is not None else _safe_softmax_(s)  # in place: s becomes P
         del s
         d_o = None
         if dv_folded is not None:

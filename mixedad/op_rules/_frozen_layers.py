@@ -37,6 +37,7 @@ from torch import nn
 from mixedad._hooks.batch_norm import batch_norm_kernels, batch_norm_tangent, batch_norm_with_statistics
 from mixedad._hooks.onednn import onednn_linear_op
 from mixedad._hooks.sequential import forward_hooks, running_child
+from mixedad.op_rules._errors import OpRuleError
 from mixedad.op_rules._table import Path, defrule
 
 _CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -102,11 +103,21 @@ def convolution_rule(op):
     if x_tangent is None:
         return NotImplemented
     if not op.lowered:
-        folded = _folded_weight(op)
-        if folded is not None:
+        fold = _fold(op)
+        if fold is not None:
+            folded, batch_norm = fold
+            del fold
+            # The tangent first, and the folded weight freed before the primal: the copy never adds to the peak.
             tangent = op.primal(input=x_tangent, weight=folded, bias=None)
-            _FOLD.pending = weakref.ref(tangent)
-            return op.primal(), tangent
+            del folded
+            primal = op.primal()
+            if tangent.stride() != primal.stride():
+                # A dual tensor keeps a tangent of the primal's layout, copying one that differs: copy it here, so
+                # that the BatchNorm finds this very tensor.
+                tangent = torch.empty_strided(primal.shape, primal.stride(), dtype=tangent.dtype,
+                                              device=tangent.device).copy_(tangent)
+            _FOLD.pending = (weakref.ref(tangent), weakref.ref(batch_norm.running_var))
+            return primal, tangent
         return op.primal(), op.primal(input=x_tangent, bias=None)
     primal = op.primal()
     if op.primals["input"].dim() < _CONV_DIMS.get(op.func, 0):  # unbatched input: k is the batch
@@ -120,8 +131,8 @@ def convolution_rule(op):
 def batch_norm_rule(op):
     """Batch norm with frozen weights: running statistics (eval) or the batch's own (training).
 
-    Eval mode scales the tangent per channel. With batch statistics (training, or no running
-    statistics) see :func:`_batch_statistics_tangent`. The primal is the user's call, so running
+    Eval mode scales the tangent per channel. With batch statistics (``training=True``, which
+    ``nn.BatchNorm*`` also passes without running statistics) see :func:`_batch_statistics_tangent`. The primal is the user's call, so running
     statistics are updated as a plain forward updates them.
     """
     bound = op.primals
@@ -130,11 +141,12 @@ def batch_norm_rule(op):
         return NotImplemented
     x = bound["input"]
     eps = bound.get("eps", 1e-5)
-    batch_statistics = bound.get("training", False) or bound.get("running_mean") is None \
-        or bound.get("running_var") is None
-    if batch_statistics:
-        if x.dim() < 2 or x.dtype not in (torch.float32, torch.float64) or x_tangent.dtype != x.dtype:
-            return NotImplemented  # reduced precision: PyTorch's formula, which accumulates as the kernel does
+    if bound.get("training", False):
+        if (x.dim() < 2 or x.dtype not in (torch.float32, torch.float64) or x_tangent.dtype != x.dtype
+                or x.numel() <= x.shape[1]):
+            # Reduced precision (PyTorch's formula accumulates as the kernel does), or one value per channel
+            # or none: F.batch_norm's own checks and paths (it raises for one value per channel).
+            return NotImplemented
         if batch_norm_kernels(x) and not op.lowered and x_tangent.shape == x.shape:
             # The user's call is this kernel here (bit for bit), and it hands out the statistics it used.
             out, mean, invstd = batch_norm_with_statistics(x, bound.get("weight"), bound.get("bias"),
@@ -142,6 +154,8 @@ def batch_norm_rule(op):
                                                            bound.get("momentum", 0.1), eps)
             return out, batch_norm_tangent(x_tangent, x, bound.get("weight"), mean, invstd, eps)
         return op.primal(), _batch_statistics_tangent(x, x_tangent, bound.get("weight"), eps, batched=op.lowered)
+    if bound.get("running_mean") is None or bound.get("running_var") is None:
+        return NotImplemented  # eval mode without running statistics: F.batch_norm raises, as it should
     if _folded_into(x_tangent, bound):
         return op.primal(), x_tangent  # the convolution before applied the scale
     return op.primal(), x_tangent * _eval_scale(bound["running_var"], bound.get("weight"), eps).reshape(
@@ -158,11 +172,15 @@ def _eval_scale(running_var, weight, eps):
 _CONVOLUTIONS = {nn.Conv1d: 0, nn.Conv2d: 0, nn.Conv3d: 0, nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 1,
                  nn.ConvTranspose3d: 1}  # class: the weight's output-channel dimension
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-_FOLD = threading.local()  # pending: a weak reference to the last folded tangent (nothing of G is kept)
+#: A fold copies the convolution's weight, scaled: only where that copy is at most this fraction
+#: (its inverse) of the input's tangent, so that it never sets a pass's peak memory (a latent-to-map
+#: layer, or a wide layer at a small batch, keeps the scaling pass instead).
+FOLD_RATIO = 16
+_FOLD = threading.local()  # pending: weak references to the last folded tangent and its BatchNorm's running_var
 
 
-def _folded_weight(op):
-    r"""The convolution's weight with the next eval BatchNorm's scale folded in, or None.
+def _fold(op):
+    r"""``(weight, batch_norm)``: the convolution's weight with the next eval BatchNorm's scale folded in; or None.
 
     .. math::
 
@@ -172,8 +190,10 @@ def _folded_weight(op):
 
     saves the pass that scales the tangent. Only where the convolution's output can reach nothing
     but that BatchNorm: the call is an exact ``nn.Conv*`` / ``nn.ConvTranspose*`` module (one
-    group) run by an ``nn.Sequential`` whose next child is an exact ``nn.BatchNorm*`` in eval mode
-    with running statistics, and neither module nor the process has forward hooks. The
+    group, batched input) run by an ``nn.Sequential`` (its own iteration) whose next child is an
+    exact ``nn.BatchNorm*`` in eval mode with running statistics, neither module has its forward
+    replaced on the instance, neither module nor the process has forward hooks, and the weight is
+    small beside the input (:data:`FOLD_RATIO`). The
     BatchNorm's rule then finds this very tangent (by identity) and passes it on unscaled.
     """
     found = running_child()
@@ -183,29 +203,54 @@ def _folded_weight(op):
     dim = _CONVOLUTIONS.get(type(conv))
     if dim is None or conv.weight is not op.primals["weight"] or conv.groups != 1:
         return None
+    if op.primals["input"].dim() != _CONV_DIMS.get(op.func):  # unbatched: channels at 0, a BatchNorm's at 1
+        return None
+    if type(sequential).__iter__ is not nn.Sequential.__iter__:  # the Sequential runs its own children
+        return None
     children = list(sequential._modules.values())
     at = [i for i, child in enumerate(children) if child is conv]
     if len(at) != 1 or at[0] + 1 == len(children):
         return None
     bn = children[at[0] + 1]
     if (type(bn) not in _BATCH_NORMS or bn.training or not bn.track_running_stats or bn.running_var is None
-            or bn.running_mean is None or forward_hooks(conv, bn)):
+            or bn.running_mean is None or forward_hooks(conv, bn)
+            or "forward" in vars(conv) or "forward" in vars(bn)):  # a forward replaced on the instance
         return None
+    if conv.weight.numel() * FOLD_RATIO > op.tangents["input"].numel():
+        return None  # the folded weight, a copy, would cost more memory than the scaling pass it saves
     scale = _eval_scale(bn.running_var, bn.weight, bn.eps)
     if scale.shape[0] != conv.weight.shape[dim] or scale.dtype != conv.weight.dtype:
         return None
     shape = [1] * conv.weight.dim()
     shape[dim] = -1
-    return conv.weight * scale.reshape(shape)
+    return conv.weight * scale.reshape(shape), bn
 
 
 def _folded_into(x_tangent, bound):
-    """Whether ``x_tangent`` is the tangent a convolution computed with this BatchNorm's scale folded in."""
+    """Whether ``x_tangent`` is the tangent a convolution computed with this BatchNorm's scale folded in.
+
+    Raises:
+        OpRuleError: the convolution before folded this BatchNorm's scale into its tangent, and a
+            different tensor arrived here (never expected: refused rather than scaled twice).
+    """
     pending = getattr(_FOLD, "pending", None)
-    if pending is None or pending() is not x_tangent:
+    if pending is None:
         return False
+    tangent, running_var = pending[0](), pending[1]()
+    if tangent is x_tangent:
+        _FOLD.pending = None
+        return True
+    mine = bound.get("running_var")  # the dispatch hands rules an alias of the buffer: compare storage, not objects
+    if running_var is not None and isinstance(mine, torch.Tensor) and mine.is_set_to(running_var):
+        _FOLD.pending = None
+        raise OpRuleError("mixedad: the convolution before a BatchNorm folded the BatchNorm's scale into its "
+                          "tangent, and another tensor reached the BatchNorm; please report this with G's code")
+    return False
+
+
+def forget_folds():
+    """Drop a fold that a pass which stopped early left pending (each pass starts with none)."""
     _FOLD.pending = None
-    return True
 
 
 def _channel_shape(dim):

@@ -54,3 +54,29 @@ def test_forward_hooks_of_modules_and_global_ones():
     finally:
         handle.remove()
     assert not forward_hooks(a, b)
+
+
+def test_reading_the_running_child_keeps_no_input_alive():
+    """Before Python 3.13 a frame keeps its f_locals snapshot: it must not hold the Sequential's input."""
+    import gc
+    import weakref
+
+    seen = []
+
+    class Make(nn.Module):
+        def forward(self, x):
+            return x * 2  # an intermediate only the Sequential's `input` refers to
+
+    class Read(nn.Module):
+        def forward(self, x):
+            running_child()
+            seen.append(weakref.ref(x))
+            return x + 1  # the Sequential's `input` moves on
+
+    class Check(nn.Module):
+        def forward(self, x):
+            gc.collect()
+            assert seen[0]() is None, "the intermediate is still alive"
+            return x
+
+    nn.Sequential(Make(), Read(), Check())(torch.ones(3))

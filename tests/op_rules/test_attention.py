@@ -266,3 +266,14 @@ def test_rows_masked_by_large_numbers_do_not_take_the_log_sum_exp(monkeypatch):
     assert_close(mixedad.mixed_grad(cubic, G, z, y, v, strategy="forward"), double_backward_mixed_grad(cubic, G, z, y, v),
                  rtol=1e-10)
     assert taken == [False]
+
+
+@pytest.mark.parametrize("lengths", [(3, 0), (0, 3)])
+def test_no_keys_or_no_queries(lengths):
+    """Found by a review: a sequence of zero keys (or queries) runs, as in plain autograd."""
+    lq, lk = lengths
+    q, memory = randn(1, 2, lq, 4), randn(1, 2, lk, 4)
+    G = lambda z: F.scaled_dot_product_attention(z, memory + 0 * z.sum(), memory.sin())  # noqa: E731
+    y = randn(1, 2, lq, 4)
+    v = randn(*q.shape)
+    assert_close(mixedad.mixed_grad(cubic, G, q, y, v), double_backward_mixed_grad(cubic, G, q, y, v))

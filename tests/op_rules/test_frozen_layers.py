@@ -349,7 +349,45 @@ FOLD_CASES = {  # name: (G, input shape, folds expected)
                            (2, 3, 5, 5), 0),
     "conv_output_kept_by_a_hook": (lambda: _KeptOutput(), (2, 3, 5, 5), 0),
     "same_conv_twice": (lambda: _twice(), (2, 4, 6, 6), 0),
+    "channels_last_model": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), _eval_bn(4, 2), nn.ReLU(),
+                                                  nn.Conv2d(4, 4, 3), _eval_bn(4, 2)).to(memory_format=torch.channels_last),
+                            (2, 3, 7, 7), 2),
+    "channels_last_weight_only": (lambda: _channels_last_weight(), (2, 3, 7, 7), 1),
+    # Found by a review: an unbatched convolution has its channels at 0, the BatchNorm after it normalises dim 1.
+    "unbatched_conv": (lambda: nn.Sequential(nn.Conv1d(2, 3, 3), _eval_bn(3, 1), nn.Tanh()), (2, 5), 0),
+    "conv_forward_replaced_on_the_instance": (lambda: _replaced_forward(0, lambda m, x: type(m).forward(m, x) * 2),
+                                              (2, 3, 6, 6), 0),
+    "bn_forward_replaced_on_the_instance": (lambda: _replaced_forward(1, lambda m, x: type(m).forward(m, x * 3)),
+                                            (2, 3, 6, 6), 0),
+    "sequential_with_its_own_iteration": (lambda: _OwnIteration(nn.Conv2d(3, 4, 3), _eval_bn(4, 2)), (2, 3, 6, 6), 0),
 }
+
+
+def _replaced_forward(index, forward):
+    G = nn.Sequential(nn.Conv2d(3, 4, 3), _eval_bn(4, 2))
+    module = G[index]
+    module.forward = lambda x: forward(module, x)
+    return G
+
+
+class _OwnIteration(nn.Sequential):
+    """Iterates its children its own way (here: the convolution's output goes through a doubling first)."""
+
+    def __iter__(self):
+        children = list(self._modules.values())
+        return iter([children[0], _Double(), *children[1:]])
+
+
+class _Double(nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+def _channels_last_weight():
+    """A convolution whose weight alone is channels_last: the folded weight may come out in another layout."""
+    G = nn.Sequential(nn.Conv2d(3, 4, 3), _eval_bn(4, 2))
+    G[0].weight = nn.Parameter(G[0].weight.detach().to(memory_format=torch.channels_last))
+    return G
 
 
 def _with_pre_hook(G):
@@ -386,6 +424,7 @@ def test_eval_batchnorm_folds_into_the_convolution_before_it_only_where_nothing_
     folds = []
     real = _frozen_layers._folded_into
     monkeypatch.setattr(_frozen_layers, "_folded_into", lambda *a: folds.append(real(*a)) or folds[-1])
+    monkeypatch.setattr(_frozen_layers, "FOLD_RATIO", 0)  # these layers are small: fold whatever the weight's size
     build, shape, expected_folds = FOLD_CASES[name]
     torch.manual_seed(0)
     G = build().to(F64).requires_grad_(False)
@@ -399,3 +438,95 @@ def test_eval_batchnorm_folds_into_the_convolution_before_it_only_where_nothing_
     assert sum(folds) == expected_folds
     G.load_state_dict(state)
     assert_close(ours, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-10)
+
+
+def test_a_folded_tangent_in_another_layout_than_the_primal_still_reaches_its_batchnorm(monkeypatch):
+    """make_dual copies a tangent whose strides differ from the primal's; the rule copies it first, so the
+    BatchNorm finds the folded tangent itself and does not scale it twice."""
+    import mixedad
+    from mixedad.op_rules import _frozen_layers
+    from mixedad.reference import double_backward_mixed_grad
+
+    real_fold, real_into, folds = _frozen_layers._fold, _frozen_layers._folded_into, []
+
+    def contiguous_fold(op):
+        found = real_fold(op)
+        return None if found is None else (found[0].contiguous(), found[1])
+
+    monkeypatch.setattr(_frozen_layers, "_fold", contiguous_fold)
+    monkeypatch.setattr(_frozen_layers, "FOLD_RATIO", 0)
+    monkeypatch.setattr(_frozen_layers, "_folded_into", lambda *a: folds.append(real_into(*a)) or folds[-1])
+    torch.manual_seed(0)
+    G = _channels_last_weight().to(F64).requires_grad_(False)
+    z, v = torch.randn(2, 3, 7, 7, dtype=F64), torch.randn(2, 3, 7, 7, dtype=F64)
+    y = torch.randn(2, 4, 5, 5, dtype=F64)
+    f = lambda y_, g: ((y_ + g) ** 3).sum()  # noqa: E731
+    assert_close(mixedad.mixed_grad(f, G, z, y, v), double_backward_mixed_grad(f, G, z, y, v), rtol=1e-10)
+    assert folds == [True]
+
+
+def test_a_folded_tangent_that_does_not_reach_its_batchnorm_is_refused_not_scaled_twice():
+    """Never expected; if another tensor than the folded tangent reaches the BatchNorm, the rule raises."""
+    import weakref
+
+    from mixedad.op_rules import _frozen_layers
+    from mixedad.op_rules._errors import OpRuleError
+
+    bn = nn.BatchNorm2d(2).eval()
+    folded = torch.ones(1, 2, 3, 3)
+    _frozen_layers._FOLD.pending = (weakref.ref(folded), weakref.ref(bn.running_var))
+    try:
+        with pytest.raises(OpRuleError, match="folded the BatchNorm's scale"):  # rules see an alias of the buffer
+            _frozen_layers._folded_into(torch.ones(1, 2, 3, 3), {"running_var": bn.running_var.view_as(bn.running_var)})
+        assert _frozen_layers._FOLD.pending is None
+    finally:
+        _frozen_layers.forget_folds()
+
+
+
+@pytest.mark.parametrize("case", ["one value per channel", "eval without running statistics", "empty batch"])
+def test_batch_norm_raises_and_runs_where_f_batch_norm_does(case):
+    """Found by a review: the rule must not skip F.batch_norm's own checks, nor fail where it runs."""
+    import mixedad
+    from mixedad.reference import double_backward_mixed_grad
+
+    if case == "one value per channel":
+        G, shape, error = nn.BatchNorm1d(4).train().to(F64), (1, 4), ValueError
+    elif case == "eval without running statistics":
+        G, shape, error = (lambda x: F.batch_norm(x, None, None, training=False)), (3, 4), RuntimeError
+    else:
+        G, shape, error = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3).train()).to(F64), (0, 3, 3, 3), None
+    z, v = torch.randn(shape, dtype=F64), torch.randn(shape, dtype=F64)
+    y = torch.randn(shape[:1] + ((3, 3, 3) if case == "empty batch" else shape[1:]), dtype=F64)
+    f = lambda y_, g: ((y_ + g) ** 3).sum()  # noqa: E731
+    if error is not None:
+        with pytest.raises(error):
+            G(z)
+        with pytest.raises(error):
+            mixedad.mixed_grad(f, G, z, y, v)
+    else:
+        assert_close(mixedad.mixed_grad(f, G, z, y, v), double_backward_mixed_grad(f, G, z, y, v))
+
+
+@pytest.mark.parametrize("depth, width, batch", [(0, 32, 8), (4, 32, 32), (1, 64, 2)])
+def test_the_fold_leaves_the_peak_exactly_as_without_it(depth, width, batch, monkeypatch):
+    """Exact bytes. Two ways a fold could raise the peak, both found measuring this: the frame's locals
+    snapshot (before Python 3.13) kept the Sequential's input alive, and the folded weight, a copy, lived
+    beside the primal's output. Now the snapshot is cleared, the tangent goes first, and a weight larger
+    than 1/FOLD_RATIO of the input is not folded."""
+    import mixedad
+    from mixedad.benchmark import build, objective
+    from mixedad.op_rules import _frozen_layers
+    from mixedad.profiling import peak_memory
+
+    G, z, y, v = build("dcgan", depth, width, batch, torch.float32, "cpu")
+    G.requires_grad_(False)
+    folds = []
+    real = _frozen_layers._folded_into
+    monkeypatch.setattr(_frozen_layers, "_folded_into", lambda *a: folds.append(real(*a)) or folds[-1])
+    _, with_fold = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
+    monkeypatch.setattr(_frozen_layers, "_fold", lambda op: None)
+    _, without = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
+    assert with_fold == without
+    if (depth, width, batch) == (4, 32, 32):
+        assert any(folds)  # the benchmark's DCGAN does fold
