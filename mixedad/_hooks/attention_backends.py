@@ -26,6 +26,8 @@ import threading
 
 import torch
 
+from mixedad._hooks.autocast import cpu_autocast_on
+
 
 @contextlib.contextmanager
 def math_backend():
@@ -83,6 +85,8 @@ def fused_attention_with_lse(query, key, value, attn_mask, is_causal, scale):
     inside :func:`planning_for` ``("cpu")`` (a memory plan for the CPU) get the kernel's meta
     outputs where the CPU would take it.
     """
+    if cpu_autocast_on():
+        return None  # SDPA picks its dtype under autocast: the user's own call computes the primal
     tensors = (query, key, value)
     planned = all(t.device.type == "meta" for t in tensors) and getattr(_PLAN, "device", None) == "cpu"
     if any(type(t) is not torch.Tensor or (t.device.type != "cpu" and not planned) or t.dim() != 4

@@ -14,12 +14,15 @@ says whether these apply.
 """
 import torch
 
+from mixedad._hooks.autocast import cpu_autocast_on
+
 __all__ = ["batch_norm_kernels", "batch_norm_with_statistics", "batch_norm_tangent"]
 
 
 def batch_norm_kernels(x):
-    """Whether ``F.batch_norm`` on ``x`` is ``torch.native_batch_norm`` (the CPU and meta tensors)."""
-    return x.device.type in ("cpu", "meta") and type(x) is torch.Tensor and x.layout == torch.strided
+    """Whether ``F.batch_norm`` on ``x`` is ``torch.native_batch_norm`` (the CPU and meta tensors, autocast off)."""
+    return (x.device.type in ("cpu", "meta") and type(x) is torch.Tensor and x.layout == torch.strided
+            and not cpu_autocast_on())
 
 
 def batch_norm_with_statistics(x, weight, bias, running_mean, running_var, momentum, eps):

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixedad._hooks.autocast import cpu_autocast_on
 from mixedad._hooks.batch_norm import batch_norm_kernels, batch_norm_tangent, batch_norm_with_statistics
 from mixedad._hooks.onednn import onednn_linear_op
 from mixedad._hooks.sequential import forward_hooks, running_child
@@ -45,13 +46,6 @@ _CONV_TRANSPOSE = ("input", "weight", "bias", "stride", "padding", "output_paddi
 _BATCH_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 
 
-def _cpu_autocast_on():
-    try:
-        return torch.is_autocast_enabled("cpu")
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled()
-
-
 def _linear_tangent(x_tangent, weight):
     r"""The tangent of a frozen linear layer, :math:`\dot y = \dot x W^\top`, on the fastest kernel."""
     if (x_tangent.dtype == torch.float32 and weight.dtype == torch.float32
@@ -60,7 +54,7 @@ def _linear_tangent(x_tangent, weight):
             and type(x_tangent) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
             and weight.dim() == 2 and weight.shape[1] > 0 and x_tangent.dim() >= 1  # oneDNN refuses K = 0
             and torch.backends.mkldnn.enabled
-            and not _cpu_autocast_on()):  # under autocast, F.linear picks the dtype
+            and not cpu_autocast_on()):  # under autocast, F.linear picks the dtype
         op = onednn_linear_op()
         if op is not None:
             return op(x_tangent, weight, None, "none", [], "")
@@ -143,9 +137,9 @@ def batch_norm_rule(op):
     eps = bound.get("eps", 1e-5)
     if bound.get("training", False):
         if (x.dim() < 2 or x.dtype not in (torch.float32, torch.float64) or x_tangent.dtype != x.dtype
-                or x.numel() <= x.shape[1]):
-            # Reduced precision (PyTorch's formula accumulates as the kernel does), or one value per channel
-            # or none: F.batch_norm's own checks and paths (it raises for one value per channel).
+                or x.numel() <= x.shape[1] or cpu_autocast_on()):
+            # Reduced precision or autocast (PyTorch's formula computes as the kernel does), or one value per
+            # channel or none: F.batch_norm's own checks and paths (it raises for one value per channel).
             return NotImplemented
         if batch_norm_kernels(x) and not op.lowered and x_tangent.shape == x.shape:
             # The user's call is this kernel here (bit for bit), and it hands out the statistics it used.
@@ -196,6 +190,8 @@ def _fold(op):
     small beside the input (:data:`FOLD_RATIO`). The
     BatchNorm's rule then finds this very tangent (by identity) and passes it on unscaled.
     """
+    if cpu_autocast_on():  # the convolution's dtype is autocast's choice, the BatchNorm's another
+        return None
     found = running_child()
     if found is None:
         return None

@@ -277,3 +277,28 @@ def test_no_keys_or_no_queries(lengths):
     y = randn(1, 2, lq, 4)
     v = randn(*q.shape)
     assert_close(mixedad.mixed_grad(cubic, G, q, y, v), double_backward_mixed_grad(cubic, G, q, y, v))
+
+
+def test_under_cpu_autocast_the_primal_is_the_users_call(monkeypatch):
+    """SDPA picks its dtype under autocast (bfloat16 here): the rule must not compute the primal with the
+    float32 flash kernel it calls directly elsewhere."""
+    taken = []
+    real = _attention.blockwise_tangent
+    monkeypatch.setattr(_attention, "blockwise_tangent",
+                        lambda *a, **k: taken.append(k.get("lse") is not None) or real(*a, **k))
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 16, generator=gen) * 0.3
+
+    def G(x):
+        q, k, v = (x @ w.T).view(1, 32, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    z = torch.randn(1, 32, 16, generator=gen)
+    with torch.no_grad():
+        plain = G(z)
+    from mixedad._frontend.tangents import push_tangent
+
+    g, _, _ = push_tangent("test", G, (z,), (torch.ones_like(z),))
+    assert taken == [False]
+    assert g[0].dtype == plain.dtype == torch.bfloat16 and torch.equal(g[0], plain)
