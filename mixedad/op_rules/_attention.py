@@ -147,8 +147,8 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
     right = [t for t, d in ((k, dq), (dk, dk)) if d is not None]
     right = None if not right else (right[0] if len(right) == 1 else _cat_last(right))
     # The kernel's log-sum-exp, +inf on a row that sees no key (so that its P is 0, never NaN).
-    shift = None if lse is None else lse.to(work).unsqueeze(-1).unsqueeze(-3).nan_to_num(posinf=math.inf,
-                                                                                          neginf=math.inf)
+    shift = None if lse is None else lse.to(work).unsqueeze(-1).unsqueeze(-3).nan_to_num(
+        nan=math.inf, posinf=math.inf, neginf=math.inf)
     # P dV for all k tangents as one product: dV's k folded into its columns, (..., T, k E); one tangent: dV itself.
     dv_folded = None if dv is None else (dv.squeeze(-3) if size == 1 else dv.movedim(-3, -2).flatten(-2))
     # (P o dS) [V, 1]: the row sums of P o dS come out of the product as its last column.
@@ -232,7 +232,8 @@ def sdpa_rule(op):
             return op.func(*op.args, **op.kwargs), None  # forward AD through the math backend's ops
     is_causal, scale = op.primals.get("is_causal", False), op.primals.get("scale")
     fused = None
-    if not op.primals.get("enable_gqa", False) and not _rows_masked_by_large_numbers(mask):
+    if (not op.primals.get("enable_gqa", False) and q.device.type in ("cpu", "meta")
+            and not _rows_masked_by_large_numbers(mask)):  # (reads the mask: only where the kernel may be taken)
         # The kernel SDPA takes, called so that it also hands out its row statistics (the CPU flash kernel);
         # not for rows masked by large finite numbers, whose log-sum-exp is rounded at that number.
         fused = fused_attention_with_lse(q, k, v, mask, is_causal, scale)
