@@ -11,6 +11,8 @@
   ordinary tensors.
 """
 import functools
+import os
+import sys
 import warnings
 
 import torch
@@ -29,6 +31,18 @@ def warn_once(key, message):
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def user_stacklevel():
+    """The ``stacklevel`` for a warning raised by the caller of this function that points at the user's line:
+    the first frame outside mixedad and torch."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 
 def _is_inference(t):

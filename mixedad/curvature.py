@@ -9,6 +9,8 @@ r"""Curvature in z through a frozen G: a matrix-free operator on z-space.
 For Laplace approximations in latent space, Newton and Gauss-Newton steps in inversion, latent
 geometry, and the solve inside :func:`mixedad.implicit_grad`.
 """
+import math
+import numbers
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -81,8 +83,9 @@ class ZCurvature:
                 if not isinstance(segments, str) and not isinstance(segments, int):
                     self._check_composition()
                 self._lam = None
-                if kind == "hessian":
-                    self.f_gradient()
+                self.f_gradient()  # f evaluated once here: a non-scalar f fails at construction, not at the first product
+                if kind == "ggn":
+                    self._lam = None  # the GGN's products do not use f's gradient
                 self._chain.output = None  # the products recompute G's output; the boundaries stay
                 self._kept: Optional[Tuple[List[torch.Tensor], List[Any]]] = self._keep_graph() if keep_graph else None
         finally:
@@ -103,7 +106,10 @@ class ZCurvature:
 
     def _keep_graph(self):
         z_work = [z.detach().requires_grad_() for z in self._zs]
-        with torch.enable_grad(), differentiable_attention():  # G's graph is differentiated twice
+        self._snapshot.restore()  # the random state and buffers of the call: the masks every product sees
+        # G runs on copies of its buffers: the kept graph saves them (BatchNorm saves its running statistics), and
+        # the user's own buffers, restored in place afterwards, must not be the tensors it saved.
+        with self._snapshot.private_buffers(), torch.enable_grad(), differentiable_attention():
             out = tree_flatten(frozen(self._G)(*z_work))[0]
             if self.kind == "ggn":
                 return z_work, [o if differentiable(o) and o.requires_grad else None for o in out]
@@ -186,6 +192,7 @@ class ZCurvature:
             rows.append([torch.zeros_like(z) if r is None else r for r, z in zip(row, z_work)])
         return [torch.stack([row[m] for row in rows]) for m in range(len(z_work))]
 
+    @public_call
     def matvec(self, u: Any) -> Any:
         r""":math:`(H + \lambda I)\, u`, with z's structure.
 
@@ -206,6 +213,7 @@ class ZCurvature:
     def __matmul__(self, u: Any) -> Any:
         return self.matvec(u)
 
+    @public_call
     def matmat(self, U: Any) -> Any:
         r"""The product with k vectors at once: U has z's structure with a leading dimension k.
 
@@ -227,7 +235,13 @@ class ZCurvature:
         if len(leaves) != len(self._zs) or not all(isinstance(t, torch.Tensor) and t.dim() == z.dim() + 1
                                                      and t.shape[1:] == z.shape for t, z in zip(leaves, self._zs)):
             raise ValueError(f"{self._call}: matmat expects z's structure with one leading dimension (k, *z.shape).")
-        return self._structure(self._products([t.detach().to(z.dtype) for t, z in zip(leaves, self._zs)]))
+        for t, z in zip(leaves, self._zs):
+            if t.dtype != z.dtype or t.device != z.device:
+                raise ValueError(f"{self._call}: matmat expects z's dtype and device ({z.dtype}, {z.device}), got "
+                                 f"{t.dtype} on {t.device}.")
+        if leaves[0].shape[0] == 0:
+            return self._structure([t.detach().clone() for t in leaves])  # no vector: no product
+        return self._structure(self._products([t.detach() for t in leaves]))
 
     def _flat_products(self, vectors):
         """Products with rows of ``vectors`` (m, size), BATCH at a time; returns (m, size)."""
@@ -242,6 +256,7 @@ class ZCurvature:
             out.append(torch.cat([p.reshape(block.shape[0], -1) for p in products], dim=1))
         return torch.cat(out)
 
+    @public_call
     def dense(self) -> torch.Tensor:
         r"""The whole matrix :math:`H + \lambda I`, of shape (size, size), for small z.
 
@@ -263,6 +278,9 @@ class ZCurvature:
     def _probes(self, samples, generator):
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise ValueError(f"{self._call}: expected samples to be None or a positive int, got {samples!r}.")
+        if generator is not None and (not isinstance(generator, torch.Generator) or generator.device.type == "meta"):
+            raise TypeError(f"{self._call}: expected generator to be None or a torch.Generator on a real device, got "
+                            f"{generator!r}.")
         z = self._zs[0]
         signs = torch.randint(0, 2, (samples, self.size), generator=generator, device=generator.device
                               if generator is not None else "cpu")
@@ -274,6 +292,7 @@ class ZCurvature:
         probes = self._probes(samples, generator)
         return (probes * self._flat_products(probes)).mean(0)
 
+    @public_call
     def diagonal(self, samples: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Any:
         r"""The diagonal of :math:`H + \lambda I`, with z's structure.
 
@@ -296,6 +315,7 @@ class ZCurvature:
             offset += z.numel()
         return self._structure(leaves)
 
+    @public_call
     def trace(self, samples: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         r"""The trace of :math:`H + \lambda I`, a 0-d tensor: exact, or Hutchinson's estimate from ``samples`` probes.
 
@@ -311,6 +331,7 @@ class ZCurvature:
         """
         return self._diagonal_flat(samples, generator).sum()
 
+    @public_call
     def solve(self, b: Any, *, tol: float = 1e-6, maxiter: Optional[int] = None) -> Any:
         r"""x with :math:`(H + \lambda I)\, x = b`, by conjugate gradients, with z's structure.
 
@@ -318,8 +339,10 @@ class ZCurvature:
 
             \lVert b - (H + \lambda I)\, x \rVert \le \mathrm{tol}\cdot\lVert b \rVert
 
-        One product per iteration. ``maxiter`` defaults to the dimension of z-space; reaching it
-        above ``tol`` warns (RuntimeWarning). A direction of non-positive curvature raises
+        One product per iteration. ``maxiter`` defaults to twice the dimension of z-space; ending
+        above ``tol`` (maxiter reached, or the residual stalled where the dtype's rounding
+        dominates) warns (RuntimeWarning) and returns the best iterate, and ending the default
+        budget no nearer b than x = 0 (a singular operator) raises :class:`CurvatureError`. A direction of non-positive curvature raises
         :class:`CurvatureError` (the Hessian is indefinite there: add damping, or use the GGN).
         :attr:`last_solve` records the iterations and the residual.
 
@@ -331,10 +354,11 @@ class ZCurvature:
             >>> torch.allclose(op @ x, torch.ones(2).double())
             True
         """
+        _check_settings(self._call + ".solve", kind=self.kind, damping=0.0, keep_graph=False, tol=tol, maxiter=maxiter)
         bs = self._as_list(b, "b")
         x, iterations, residual = conjugate_gradient(
             self._call + ".solve", lambda p: [o[0] for o in self._products([t.unsqueeze(0) for t in p])], bs,
-            tol=tol, maxiter=maxiter)
+            tol=tol, maxiter=maxiter, kind=self.kind)
         self.last_solve = SolveInfo(iterations, residual)
         return self._structure(x)
 
@@ -411,10 +435,38 @@ def z_curvature(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[
         torch.Size([3, 4])
     """
     call = "z_curvature(f, G, z, y)"
+    damping = _check_settings(call, kind=kind, damping=damping, keep_graph=keep_graph)
+    return ZCurvature(call, f, G, z, y, kind=kind, damping=damping, segments=segments, keep_graph=keep_graph)
+
+
+def _check_settings(call, *, kind, damping, keep_graph, tol=1e-6, maxiter=None, solve=None):
+    """Check the keywords of the curvature calls up front; returns the damping as a float.
+
+    Numbers may be Python, NumPy or 0-d torch numbers; damping is finite and >= 0, tol finite and > 0.
+    """
     if kind not in KINDS:
         raise ValueError(f"{call}: expected kind in {KINDS}, got {kind!r}.")
-    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not damping >= 0:
-        raise ValueError(f"{call}: expected damping to be a number >= 0, got {damping!r}.")
+    lam = _real(damping)
+    if lam is None or not 0 <= lam < math.inf:
+        raise ValueError(f"{call}: expected damping to be a finite number >= 0, got {damping!r}.")
     if not isinstance(keep_graph, bool):
         raise TypeError(f"{call}: expected keep_graph to be True or False, got {keep_graph!r}.")
-    return ZCurvature(call, f, G, z, y, kind=kind, damping=damping, segments=segments, keep_graph=keep_graph)
+    t = _real(tol)
+    if t is None or not 0 < t < math.inf:
+        raise ValueError(f"{call}: expected tol to be a finite number > 0, got {tol!r}.")
+    if maxiter is not None and (isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1):
+        raise ValueError(f"{call}: expected maxiter to be a positive int or None, got {maxiter!r}.")
+    if solve is not None and not callable(solve):
+        raise TypeError(f"{call}: expected solve to be None or a callable solve(matvec, b) -> x, got {solve!r}.")
+    return lam
+
+
+def _real(x):
+    """``x`` as a float if it is a real number (Python, NumPy, a 0-d real torch tensor), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, torch.Tensor):
+        return float(x) if x.dim() == 0 and not x.is_complex() and x.dtype != torch.bool else None
+    if isinstance(x, numbers.Real):
+        return float(x)
+    return None

@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from mixedad import _checks
-from mixedad._entry import public_call
+from mixedad._entry import public_call, user_stacklevel
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
-from mixedad.curvature import KINDS, ZCurvature
+from mixedad.curvature import ZCurvature, _check_settings
 from mixedad.mixed import mixed_grad
 
 __all__ = ["implicit_grad", "implicit_argmin", "STATIONARY_TOLERANCE"]
@@ -35,6 +35,8 @@ def _solve(call, op, w, tol, maxiter, solve):
     _checks.check_callable(call, "solve", solve)
     x = solve(op.matvec, w)
     try:
+        if x is None:
+            raise TypeError("it returned None")
         op._as_list(x)
     except (TypeError, ValueError) as error:
         raise TypeError(f"{call}: solve(matvec, b) must return x with z's structure ({error})") from error
@@ -56,23 +58,28 @@ def _check_stationary(call, op):
     try:
         from mixedad._curvature.segments import push
 
-        _, pushed, _ = push(call, op._G, op._zs, [p.unsqueeze(0) for p in probe])
+        outputs, pushed, _ = push(call, op._G, op._zs, [p.unsqueeze(0) for p in probe])
     finally:
         op._snapshot.restore()
-    scale = sum(float(l.double().norm()) * float(t[0].double().norm()) / probe_norm
-                for l, t in zip(lam, pushed) if l is not None and t is not None)
-    if norm > STATIONARY_TOLERANCE * scale:
+    gains = [float(t[0].double().norm()) / probe_norm if t is not None else 0.0 for t in pushed]
+    scale = sum(float(l.double().norm()) * gain for l, gain in zip(lam, gains) if l is not None)
+    # At an exact fit the gradient and its scale are both round-off, and their ratio means nothing: below what
+    # rounding G's output alone would give, nothing is said.
+    eps = torch.finfo(op._zs[0].dtype).eps
+    floor = 64 * eps * sum(float(o.double().norm()) * gain for o, gain in zip(outputs, gains)
+                           if isinstance(o, torch.Tensor) and o.is_floating_point())
+    if norm > STATIONARY_TOLERANCE * scale and norm > floor:
         warnings.warn(f"{call}: z_star is not a stationary point of f(y, G(z)): |grad_z L| = {norm:.3g}, "
                       f"{norm / scale if scale else float('inf'):.3g} of its scale (tolerance "
                       f"{STATIONARY_TOLERANCE:g}). The implicit-function formula holds only at a minimum; optimise "
-                      f"z further.", RuntimeWarning, stacklevel=4)
+                      f"z further.", RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def _implicit(call, f, G, z_star, y, w, kind, damping, tol, maxiter, solve, segments, keep_graph):
-    if kind not in KINDS:
-        raise ValueError(f"{call}: expected kind in {KINDS}, got {kind!r}.")
-    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not damping >= 0:
-        raise ValueError(f"{call}: expected damping to be a number >= 0, got {damping!r}.")
+    damping = _check_settings(call, kind=kind, damping=damping, keep_graph=keep_graph, tol=tol, maxiter=maxiter,
+                              solve=solve)
+    if w is None:
+        raise TypeError(f"{call}: expected w with z_star's structure (the outer loss's gradient at z*), got None.")
     op = ZCurvature(call, f, G, z_star, y, kind=kind, damping=damping, segments=segments, keep_graph=keep_graph)
     _checks.flatten_v(call, z_star, op._zs, w)
     _check_stationary(call, op)
@@ -103,6 +110,11 @@ def implicit_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any],
     :math:`H_{zz}` by the Gauss-Newton matrix (exact only at a perfect fit); CG stops at relative
     residual ``tol``. The formula holds at a stationary point: a ``z_star`` whose gradient is
     visibly not zero (more than :data:`STATIONARY_TOLERANCE` of its scale) warns.
+
+    State: the curvature's products leave G's random state and buffers as they were; the final
+    mixed_grad leaves them as after one plain forward of G (mixedad's policy: a train-mode
+    BatchNorm updates its running statistics once, dropout draws once). Put G in eval mode to
+    keep a frozen G's statistics fixed.
 
     Cost: one :func:`mixedad.z_curvature` product per CG iteration (see there; the Hessian's is
     about a forward with tangent, a forward, a backward and a double backward of G, one segment
@@ -152,6 +164,10 @@ class _ImplicitArgmin(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *w):
         s = ctx.settings
+        if torch.is_grad_enabled():  # backward(create_graph=True): the derivative of this gradient is not built
+            raise RuntimeError(f"{s['call']}: its gradient can be differentiated once; create_graph=True through it "
+                               f"would silently drop the second-order terms. Differentiate without create_graph, or "
+                               f"unroll the inner optimisation for higher orders.")
         y_leaves = list(ctx.saved_tensors)
         ws = [torch.zeros_like(z) if wi is None else wi for wi, z in zip(w, s["zs"])]
         y = tree_unflatten(y_leaves, s["y_spec"])
@@ -178,7 +194,9 @@ def implicit_argmin(f: Callable[..., torch.Tensor], G: Callable[..., Any],
     reaches y (and whatever y was computed from), as through an unrolled optimiser, at the
     memory of one curvature solve. The keywords are those of :func:`implicit_grad`. Find
     ``z_star`` however you like (under ``torch.no_grad()``, with any optimiser); only its value
-    is used.
+    is used. The arguments are checked here; the work happens in backward, once per backward
+    (each leaves G's state as :func:`implicit_grad` does). Its gradient can be differentiated
+    once: ``create_graph=True`` through it raises.
 
     Example:
         >>> import torch, mixedad
@@ -192,8 +210,9 @@ def implicit_argmin(f: Callable[..., torch.Tensor], G: Callable[..., Any],
     """
     call = "implicit_argmin(f, G, z_star, y)"
     zs, y_leaves, y_spec, _ = _checks.mixed_args(call, f, G, z_star, y, None)
-    if kind not in KINDS:
-        raise ValueError(f"{call}: expected kind in {KINDS}, got {kind!r}.")
+    _check_settings(call, kind=kind, damping=damping, keep_graph=keep_graph, tol=tol, maxiter=maxiter, solve=solve)
+    if not (isinstance(segments, (str, int, list, tuple)) and not isinstance(segments, bool)):
+        raise TypeError(f"{call}: expected segments='auto', an int or a list of callables, got {segments!r}.")
     settings = {"call": call, "f": f, "G": G, "z_star": z_star, "zs": zs, "tuple": isinstance(z_star, (tuple, list)),
                 "y_spec": y_spec, "kind": kind, "damping": damping, "tol": tol, "maxiter": maxiter, "solve": solve,
                 "segments": segments, "keep_graph": keep_graph}

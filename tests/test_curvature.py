@@ -134,7 +134,7 @@ def test_solve_reaches_the_tolerance():
 def test_solve_warns_at_maxiter():
     f, G, z, y = problem("mlp")
     op = mixedad.z_curvature(f, G, z, y, kind="ggn", damping=1e-3)
-    with pytest.warns(RuntimeWarning, match="reached maxiter=2"):
+    with pytest.warns(RuntimeWarning, match=r"\(maxiter=2\) with relative residual"):
         op.solve(like_z(z), tol=1e-12, maxiter=2)
     assert op.last_solve.iterations == 2
 
@@ -255,3 +255,74 @@ def test_zoo_generators_with_custom_functions_attention_and_quantisers(name, kin
         y = torch.randn(G(z).shape, generator=torch.Generator().manual_seed(1), dtype=F64)
     op = mixedad.z_curvature(f_cubic, G, z, y, kind=kind)
     assert_close(op.dense(), _autograd_references(f_cubic, G, z, y)[kind], rtol=1e-9)
+
+
+# -- found by a review as a new user --------------------------------------------------------------------
+
+def _train_mode_problem(layer):
+    gen = torch.Generator().manual_seed(3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        G = nn.Sequential(nn.Linear(4, 6), layer, nn.Tanh(), nn.Linear(6, 3)).to(F64).train()
+    z, y = torch.randn(5, 4, generator=gen, dtype=F64), torch.randn(5, 3, generator=gen, dtype=F64)
+    return f_cubic, G, z, y
+
+
+@pytest.mark.parametrize("kind", ["hessian", "ggn"])
+@pytest.mark.parametrize("layer", ["dropout", "batchnorm"])
+def test_keep_graph_sees_the_calls_random_state_and_buffers_and_leaves_them_alone(kind, layer):
+    """keep_graph=True drew other dropout masks than the sweeps (relative error 0.9), and a train-mode BatchNorm
+    crashed its first product (the kept graph had saved the running statistics restored in place)."""
+    f, G, z, y = _train_mode_problem(nn.Dropout(0.5) if layer == "dropout" else nn.BatchNorm1d(6))
+    buffers = {k: v.clone() for k, v in G.state_dict().items()}
+    swept = mixedad.z_curvature(f, G, z, y, kind=kind).dense()
+    kept = mixedad.z_curvature(f, G, z, y, kind=kind, keep_graph=True)
+    assert_close(kept.dense(), swept, rtol=1e-10)
+    assert_close(kept.dense(), swept, rtol=1e-10)  # again: the graph is still valid
+    assert all(torch.equal(v, buffers[k]) for k, v in G.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["hessian", "ggn"])
+def test_the_operators_methods_under_inference_mode(kind):
+    """They returned only the damping term under torch.inference_mode (autograd is off there)."""
+    f, G, z, y = problem("mlp")
+    op = mixedad.z_curvature(f, G, z, y, kind=kind, damping=0.1)
+    u = like_z(z)
+    expected, dense = op @ u, op.dense()
+    with torch.inference_mode():
+        assert_close(op @ u, expected, rtol=1e-14)
+        assert_close(op.dense(), dense, rtol=1e-14)
+        inside = mixedad.z_curvature(f, G, z, y, kind=kind, damping=0.1)
+        assert_close(inside.dense(), dense, rtol=1e-14)
+
+
+def test_keywords_checked_with_clear_messages():
+    f, G, z, y = problem("mlp")
+    import numpy as np
+
+    for damping in (np.float32(0.5), torch.tensor(0.5), 1):
+        assert mixedad.z_curvature(f, G, z, y, damping=damping).damping == pytest.approx(float(damping))
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        mixedad.z_curvature(f, G, z, y, damping=math.inf)
+    op = mixedad.z_curvature(f, G, z, y)
+    with pytest.raises(ValueError, match="finite number > 0, got 'a'"):
+        op.solve(like_z(z), tol="a")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        op.solve(torch.full_like(z, math.nan))
+    with pytest.raises(TypeError, match="torch.Generator"):
+        op.trace(samples=2, generator=0)
+    with pytest.raises(ValueError, match="z's dtype and device"):
+        op.matmat(torch.zeros(2, *z.shape))  # float32
+    assert op.matmat(torch.zeros(0, *z.shape, dtype=z.dtype)).shape == (0, *z.shape)
+    with pytest.raises(ValueError, match="scalar"):
+        mixedad.z_curvature(lambda y_, g: (g - y_) ** 2, G, z, y, kind="ggn")  # at construction, not first product
+
+
+def test_a_singular_ggn_says_so():
+    """A compressed-sensing shape (more latent dimensions than outputs), no damping: the GGN is singular."""
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(2, 6, generator=gen, dtype=F64)
+    op = mixedad.z_curvature(lambda y, g: ((g - y) ** 2).sum(), lambda z: z @ A.T, torch.randn(6, generator=gen,
+                             dtype=F64), torch.randn(2, generator=gen, dtype=F64), kind="ggn")
+    with pytest.raises(mixedad.CurvatureError, match="Gauss-Newton matrix is only positive semi-definite"):
+        op.solve(torch.randn(6, generator=gen, dtype=F64))

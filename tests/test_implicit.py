@@ -185,3 +185,40 @@ def test_solve_peak_against_the_anchor():
     _, ggn = peak_memory(bench.ours_solve, G, z, y, w, "ggn")
     assert hessian <= 0.40 * anchor, (hessian, anchor)
     assert ggn <= 0.25 * anchor, (ggn, anchor)
+
+
+# -- found by a review as a new user --------------------------------------------------------------------
+
+def test_a_solver_returning_none_is_refused():
+    f, G, z_star, y, _ = linear_problem()
+    with pytest.raises(TypeError, match="returned None"):
+        mixedad.implicit_grad(f, G, z_star, y, torch.ones_like(z_star), solve=lambda matvec, b: None)
+
+
+def test_implicit_argmin_refuses_create_graph_instead_of_dropping_second_order_terms():
+    f, G, z_star, y, _ = linear_problem()
+    y = y.clone().requires_grad_()
+    out = mixedad.implicit_argmin(f, G, z_star, y)
+    with pytest.raises(RuntimeError, match="differentiated once"):
+        torch.autograd.grad(out.sum(), y, create_graph=True)
+
+
+def test_implicit_argmin_checks_its_arguments_at_the_call():
+    f, G, z_star, y, _ = linear_problem()
+    for keywords, error in (({"damping": -1}, ValueError), ({"tol": 0}, ValueError), ({"maxiter": 0}, ValueError),
+                            ({"solve": 3}, TypeError), ({"segments": None}, TypeError), ({"keep_graph": 1}, TypeError)):
+        with pytest.raises(error):
+            mixedad.implicit_argmin(f, G, z_star, y.clone().requires_grad_(), **keywords)
+
+
+def test_an_exact_minimiser_does_not_warn_and_the_warning_points_at_the_callers_line():
+    A = torch.tensor([[2.0, 1.0], [1.0, 3.0]], dtype=F64)
+    f = lambda y, g: 0.5 * ((g - y) ** 2).sum()  # noqa: E731
+    y = torch.tensor([1.0, 2.0], dtype=F64)
+    z_star = torch.linalg.solve(A, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixedad.implicit_grad(f, lambda z: A @ z, z_star, y, torch.tensor([1.0, 0.0], dtype=F64))
+    with pytest.warns(RuntimeWarning, match="not a stationary point") as record:
+        mixedad.implicit_grad(f, lambda z: A @ z, z_star + 0.5, y, torch.tensor([1.0, 0.0], dtype=F64))
+    assert record[0].filename == __file__

@@ -105,6 +105,27 @@ class Snapshot:
                 self.watched.append(entry)
 
     @contextlib.contextmanager
+    def private_buffers(self):
+        """G runs on copies of the recorded buffers inside the block; the recorded tensors are put back after.
+
+        For a graph kept beyond the block (``z_curvature(keep_graph=True)``): the tensors it saves
+        (BatchNorm saves its running statistics) are the copies, so restoring the user's buffers in
+        place later does not invalidate it, and the user's tensors are never written by G.
+        """
+        swapped = []
+        for entry in self.saved:
+            current = entry.current()
+            if current is entry.tensor:
+                copy = entry.tensor.detach().clone()
+                entry.place(copy)
+                swapped.append((entry, copy))
+        try:
+            yield self
+        finally:
+            for entry, _ in swapped:
+                entry.place(entry.tensor)
+
+    @contextlib.contextmanager
     def watching(self):
         """Record, before they first run, the modules a non-Module G calls inside the block."""
         if self._upfront:
@@ -163,10 +184,18 @@ class _Buffer:
         self.nbytes = tensor.numel() * tensor.element_size()
         self.label = f"{type(module).__name__}.{name}"
 
+    def current(self):
+        """The tensor the module holds under this name now."""
+        return self.module._buffers.get(self.name)
+
+    def place(self, tensor):
+        """Make ``tensor`` the module's buffer under this name."""
+        self.module._buffers[self.name] = tensor
+
     def put_back(self):
         """Make the recorded tensor object the module's buffer again, if G reassigned the attribute."""
-        if self.module._buffers.get(self.name) is not self.tensor:
-            self.module._buffers[self.name] = self.tensor
+        if self.current() is not self.tensor:
+            self.place(self.tensor)
 
     def changed(self):
         """Whether the recorded tensor was written in place since it was recorded (or last restored)."""
@@ -176,9 +205,11 @@ class _Buffer:
 class _TensorAttribute(_Buffer):
     """A tensor kept as a plain module attribute (``self.ema = torch.zeros(...)``), not registered as a buffer."""
 
-    def put_back(self):
-        if self.module.__dict__.get(self.name) is not self.tensor:
-            self.module.__dict__[self.name] = self.tensor
+    def current(self):
+        return self.module.__dict__.get(self.name)
+
+    def place(self, tensor):
+        self.module.__dict__[self.name] = tensor
 
 
 #: Plain module attributes a forward may set (step counts, flags, cached tensors): snapshots keep

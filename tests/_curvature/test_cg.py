@@ -40,7 +40,7 @@ def test_indefinite_operator_raises():
 
 def test_maxiter_warns_with_the_residual():
     A = _spd(20)
-    with pytest.warns(RuntimeWarning, match=r"maxiter=3 with relative residual"):
+    with pytest.warns(RuntimeWarning, match=r"\(maxiter=3\) with relative residual"):
         _, iterations, residual = conjugate_gradient("test", lambda p: [A @ p[0]], [torch.ones(20, dtype=F64)],
                                                      tol=1e-14, maxiter=3)
     assert iterations == 3 and residual > 1e-14
@@ -51,3 +51,18 @@ def test_bad_tolerances():
         conjugate_gradient("test", lambda p: p, [torch.ones(2)], tol=0)
     with pytest.raises(ValueError, match="maxiter"):
         conjugate_gradient("test", lambda p: p, [torch.ones(2)], maxiter=0)
+
+
+def test_a_tolerance_below_what_float32_resolves_still_gives_float32s_answer():
+    """A tolerance far below float32's rounding: CG stops (on its recursive residual, or where it stalls, warning)
+    and never reports a breakdown of a positive definite operator."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(30, 30, generator=gen, dtype=torch.float64))
+    A = (q @ torch.diag(torch.linspace(1, 50, 30, dtype=torch.float64)) @ q.T).float()
+    b = torch.randn(30, generator=gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        x, _, _ = conjugate_gradient("test", lambda p: [A @ p[0]], [b], tol=1e-12)
+    assert float((A.double() @ x[0].double() - b.double()).norm() / b.double().norm()) < 1e-5
