@@ -131,8 +131,6 @@ def run_plan(args: argparse.Namespace) -> Any:
     for name in ("batch", "resolution"):
         if getattr(args, name) < 1:
             raise _plan_error(f"--{name} must be a positive integer, got {getattr(args, name)}.")
-    if args.resolution % 8 and args.model in ("stylegan2", "dcgan", "vq_decoder", "sd-vae"):
-        raise _plan_error(f"--resolution {args.resolution}: {args.model} needs a multiple of 8.")
     if not args.gpu_gib > 0:
         raise _plan_error(f"--gpu-gib must be positive, got {args.gpu_gib}.")
     try:
@@ -140,6 +138,9 @@ def run_plan(args: argparse.Namespace) -> Any:
                                   dtype=PLAN_DTYPES[args.dtype], device=args.device, methods=args.methods)
     except ModuleNotFoundError as error:
         raise _plan_error(f"--model {args.model}: {error}.") from None
+    except ValueError as error:  # a size the model cannot be built at (each model says which sizes it takes)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else "cannot be built at this size"
+        raise _plan_error(f"--model {args.model} --resolution {args.resolution}: {first}") from None
     except PlanError as error:
         raise _plan_error(str(error)) from None
     print(f"{what}, batch {args.batch}, {args.dtype}, {args.device} kernels")

@@ -232,10 +232,12 @@ class _PlanCounter(StorageCounter):
         except (RuntimeError, NotImplementedError) as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise PlanError(
-                f"plan: {func} cannot run on meta tensors ({first}). A plan knows sizes, not values: an op that "
-                f"reads a value (.item(), a bool of a tensor) or makes a shape from values (nonzero, unique, "
-                f"masked_select, boolean-mask indexing) has no meta kernel. Plan a G without it (pass the mask or "
-                f"the count as an argument), or measure on a real device with peak_memory.") from error
+                f"plan: {func} cannot run on meta tensors ({first}). If the same call fails on real tensors (shapes "
+                f"that do not match, a tensor made on another device inside G), fix that first. Otherwise: a plan "
+                f"knows sizes, not values, and an op that reads a value (.item(), a bool of a tensor) or makes a "
+                f"shape from values (nonzero, unique, masked_select, boolean-mask indexing) has no meta kernel; plan "
+                f"a G without it (pass the mask or the count as an argument), or measure on a real device with "
+                f"peak_memory.") from error
 
 
 def _plain_forward(f, G, zs, y):
@@ -357,10 +359,12 @@ def plan(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Any, y: Any, 
 
     from mixedad import _checks
     from mixedad._planner.meta import meta_generator, meta_tree
-    from mixedad._frontend.state import RngState
+    from mixedad._frontend.state import Snapshot
     from mixedad._planner.target import DEVICES, TargetDevice, planning_for
 
     call = "plan(f, G, z, y)"
+    if isinstance(methods, str):
+        methods = (methods,)
     unknown = [m for m in methods if m not in PLAN_METHODS]
     if unknown or not methods:
         raise ValueError(f"{call}: expected methods from {sorted(PLAN_METHODS)}, got {list(methods)!r}.")
@@ -372,15 +376,18 @@ def plan(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Any, y: Any, 
     y_meta = meta_tree(y)
     G_meta = meta_generator(call, G)
     peaks, seconds = {}, {}
-    rng = RngState()  # random ops on meta still advance the generators
+    # Random ops on meta still advance the generators, and G may set attributes as it runs (a cache built on
+    # first use, a weight an old-style norm hook recomputes): they would hold meta tensors after the plan.
+    snapshot = Snapshot(G, call=call)
     try:
-        for method in methods:
-            start = time.perf_counter()
-            with TargetDevice(device), planning_for(device), _PlanCounter(meta=True) as counter:
-                PLAN_METHODS[method](f, G_meta, zs, y_meta)
-            peaks[method], seconds[method] = counter.peak, time.perf_counter() - start
+        with snapshot.watching():
+            for method in methods:
+                start = time.perf_counter()
+                with TargetDevice(device), planning_for(device), _PlanCounter(meta=True) as counter:
+                    PLAN_METHODS[method](f, G_meta, zs, y_meta)
+                peaks[method], seconds[method] = counter.peak, time.perf_counter() - start
     finally:
-        rng.restore()
+        snapshot.restore()
     return Plan(peaks, device, seconds)
 
 

@@ -62,7 +62,11 @@ def test_plan_prints_the_table_and_what_fits(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["plan", "--model", "vae"], "invalid choice: 'vae'"),
     (["plan", "--model", "dcgan", "--batch", "0"], "--batch must be a positive integer, got 0"),
-    (["plan", "--model", "dcgan", "--resolution", "100"], "dcgan needs a multiple of 8"),
+    (["plan", "--model", "dcgan", "--resolution", "100"], "zoo.dcgan: expected image_size a power of two"),
+    # found by a review: multiples of 8 that a model cannot be built at went to a traceback
+    (["plan", "--model", "dcgan", "--resolution", "24"], "zoo.dcgan: expected image_size a power of two"),
+    (["plan", "--model", "stylegan2", "--resolution", "96"], "expected image_size a power of two >= 4"),
+    (["plan", "--model", "vq_decoder", "--resolution", "24"], "grid=16 times a power of two"),
     (["plan", "--model", "dcgan", "--gpu-gib", "-1"], "--gpu-gib must be positive"),
     (["plan", "--model", "dcgan", "--dtype", "float64"], "invalid choice: 'float64'"),
 ])

@@ -149,3 +149,61 @@ def test_attention_plans_equal_the_cpu_peak_for_every_method(name):
             assert planned >= measured, (method, planned, measured)
         else:
             assert abs(planned - measured) <= 0.02 * measured, (method, planned, measured)
+
+
+class _Cached(nn.Module):
+    """Builds a cache attribute on first use (as rotary embeddings do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.cache = nn.Linear(8, 8), None
+
+    def forward(self, z):
+        if self.cache is None or self.cache.shape[0] < z.shape[0]:
+            self.cache = torch.cos(torch.arange(z.shape[0], device=z.device, dtype=z.dtype))[:, None]
+        return self.lin(z) * self.cache[: z.shape[0]]
+
+
+def test_attributes_g_sets_while_planned_are_undone():
+    """Found by a review: a cache built during the plan stayed on G as a meta tensor and broke its next real forward;
+    an old-style spectral_norm left its weight on meta."""
+    z = torch.randn(4, 8)
+    G = _Cached()
+    plan(f, G, z, z)
+    assert G.cache is None
+    assert G(z).device.type == "cpu"
+    norm = nn.utils.spectral_norm(nn.Linear(8, 8))
+    norm(z)
+    weight = norm.weight
+    plan(f, norm, z, z)
+    assert norm.weight is weight and not norm.weight.is_meta
+
+
+@pytest.mark.parametrize("case", ["three_dims", "key_not_unit_stride", "value_head_dim_differs"])
+def test_attention_the_cpu_runs_on_its_math_backend_is_planned_so(case):
+    """Found by a review: these were planned as the fused kernel, 0.1x to 0.2x of the real peak (a plan saying
+    'fits' where the device overflows)."""
+    def G(x):
+        b, t, _ = x.shape
+        q = x[..., :32].reshape(b, t, 4, 8).transpose(1, 2)
+        k = x[..., 32:64].reshape(b, t, 4, 8).transpose(1, 2)
+        v = x[..., 64:].reshape(b, t, 4, -1).transpose(1, 2)
+        if case == "three_dims":
+            q, k, v = (u.reshape(b * 4, t, -1) for u in (q, k, v))
+        elif case == "key_not_unit_stride":
+            k = k.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    width = 112 if case == "value_head_dim_differs" else 96
+    z = torch.randn(2, 128, width, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y = torch.randn(G(z).shape, generator=torch.Generator().manual_seed(1))
+    predicted = plan(f, G, z, y, device="cpu", methods=tuple(PLAN_METHODS))
+    for method, planned in predicted.peaks.items():
+        _, measured = peak_memory(PLAN_METHODS[method], f, G, (z,), y)
+        assert abs(planned - measured) <= 0.02 * measured, (method, planned, measured)
+
+
+def test_one_method_as_a_string():
+    z = torch.randn(4, 8)
+    assert list(plan(f, nn.Linear(8, 8), z, z, methods="forward").peaks) == ["forward"]

@@ -106,13 +106,38 @@ def fused_attention_with_lse(query, key, value, attn_mask, is_causal, scale):
         from torch.nn.attention import SDPBackend
     except ImportError:  # torch < 2.3
         return None
-    if planned:  # a memory plan for the CPU, on meta: where the CPU would take flash (its dense, unit-stride case)
-        if any(t.stride(-1) != 1 for t in tensors) or query.shape[-1] != key.shape[-1]:
+    if planned:  # a memory plan for the CPU, on meta: where the CPU would take flash
+        if not fused_kernel_would_run(query, key, value, attn_mask, "cpu"):
             return None
     elif choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale) != int(SDPBackend.FLASH_ATTENTION.value):
         return None
     out, lse = kernel(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
     return out, lse
+
+
+def fused_kernel_would_run(query, key, value, attn_mask, device):
+    """Whether SDPA on ``device`` ("cpu" or "cuda") would take a fused kernel for tensors of these sizes.
+
+    For memory plans on meta tensors, where PyTorch's own choice cannot run. The conditions are
+    those of the CPU's flash kernel (and a subset of CUDA's flash and memory-efficient ones): 4-d
+    query, key and value with one batch and head count, one head dimension, unit stride in the
+    last dimension, non-empty sequences, a mask of 2 or 4 dimensions or none, and a dtype the
+    kernel takes (CUDA: no float64). Elsewhere the plan takes the math backend: high where the
+    device would still fuse, never low.
+    """
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+        return False
+    if not (query.shape[:2] == key.shape[:2] == value.shape[:2]):
+        return False
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or any(t.stride(-1) != 1 for t in tensors):
+        return False
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return False
+    if attn_mask is not None and (not isinstance(attn_mask, torch.Tensor) or attn_mask.dim() not in (2, 4)):
+        return False
+    dtypes = (torch.float16, torch.bfloat16, torch.float32) + ((torch.float64,) if device == "cpu" else ())
+    return query.dtype in dtypes and all(t.dtype == query.dtype for t in tensors)
 
 
 _PLAN = threading.local()

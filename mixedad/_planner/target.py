@@ -9,8 +9,9 @@ a float32 log-sum-exp per query:
     \mathrm{bytes} = \mathrm{bytes}(O) + 4\cdot B H L
 
 :class:`TargetDevice` gives a fused call exactly those allocations where the device would take a
-fused kernel: no input needs a graph (a plain forward, mixedad's primal), no dropout, and the
-fused backends are enabled (the reference's double backward switches them off and takes the math
+fused kernel: no dropout, the fused backends enabled, and sizes, strides and dtypes a fused kernel
+takes (:func:`~mixedad._hooks.attention_backends.fused_kernel_would_run`; elsewhere the math
+backend, as the device would run it) (the reference's double backward switches them off and takes the math
 backend on a GPU too). With a graph (``input_grad``'s forward), the fused call saves its inputs,
 output and log-sum-exp, and its backward allocates one gradient per input. The output takes the
 device's layout (the CPU's flash kernel: the query's; CUDA: tokens before heads), and a bool mask
@@ -28,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mixedad._hooks.attention_backends import fused_attention_enabled, planning_for
+from mixedad._hooks.attention_backends import fused_attention_enabled, fused_kernel_would_run, planning_for
+from mixedad._hooks.composites import COMPOSITES, run_inside
 from mixedad._planner.meta import PlanError
 from mixedad.op_rules._rnn import FUSED_RNNS
 
@@ -54,11 +56,13 @@ class TargetDevice(TorchFunctionMode):
                 f"plan: {func.__name__} (nn.LSTM / GRU / RNN) cannot be planned on meta tensors: its memory is that of "
                 f"the {self.device} kernel (cuDNN's reserve space, oneDNN's workspace), which meta does not emulate, "
                 f"and a plan would read far too low. Measure it on the device with mixedad.profiling.peak_memory.")
+        if func in COMPOSITES:  # nn.MultiheadAttention's Python body: its inner SDPA is emulated too
+            return run_inside(self, func, args, kwargs)
         if func is F.scaled_dot_product_attention:
             bound = dict(zip(_SDPA_ARGS, args), **kwargs)
             q, k, v, mask = bound["query"], bound["key"], bound["value"], bound.get("attn_mask")
             if (isinstance(q, torch.Tensor) and q.is_meta and bound.get("dropout_p", 0.0) == 0.0
-                    and fused_attention_enabled()):
+                    and fused_attention_enabled() and fused_kernel_would_run(q, k, v, mask, self.device)):
                 inputs = (q, k, v) if mask is None else (q, k, v, mask)
                 if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                         for t in inputs)):
