@@ -126,8 +126,8 @@ def batch_norm_rule(op):
     """Batch norm with frozen weights: running statistics (eval) or the batch's own (training).
 
     Eval mode scales the tangent per channel. With batch statistics (``training=True``, which
-    ``nn.BatchNorm*`` also passes without running statistics) see :func:`_batch_statistics_tangent`. The primal is the user's call, so running
-    statistics are updated as a plain forward updates them.
+    ``nn.BatchNorm*`` also passes without running statistics) see :func:`_batch_statistics_tangent`.
+    The primal is the user's call, so running statistics are updated as a plain forward updates them.
     """
     bound = op.primals
     x_tangent = _frozen_input(op, "running_mean", "running_var", "weight", "bias")
@@ -272,7 +272,7 @@ def _batch_statistics_tangent(x, x_tangent, weight, eps, *, batched=False):
     tangent carries a leading dimension of k tangents, each reduced on its own.
     """
     dims = [0, *range(2, x.dim())]
-    x_hat, _, invstd = torch.native_batch_norm(x, None, None, None, None, True, 0.0, eps)
+    x_hat, _, invstd = batch_norm_with_statistics(x, None, None, None, None, 0.0, eps)
     scale = invstd.reshape(_channel_shape(x.dim()))
     if weight is not None:
         scale = scale * weight.reshape(_channel_shape(x.dim()))
