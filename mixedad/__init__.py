@@ -8,6 +8,7 @@ happens to each op of G: the per-op tangent rules), ``mixedad.profiling`` (exact
 are public.
 """
 from mixedad import benchmark, distributed, op_rules, profiling, reference, testing, zoo
+from mixedad._programs.compiled import CompiledTangent, compiled_tangents
 from mixedad.cached import cached_backward
 from mixedad.curvature import CurvatureError, ZCurvature, z_curvature
 from mixedad.graph import GraphReport, graph_report
@@ -20,12 +21,14 @@ from mixedad.report import TangentReport, tangent_report
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompiledTangent",
     "CurvatureError",
     "EagerPenalties",
     "GraphReport",
     "TangentReport",
     "ZCurvature",
     "cached_backward",
+    "compiled_tangents",
     "graph_report",
     "implicit_argmin",
     "implicit_grad",

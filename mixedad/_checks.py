@@ -137,6 +137,16 @@ def check_strategy(call, strategy):
     return strategy
 
 
+def check_compile(call, compile, strategy):
+    """``compile`` as a bool; it asks for the forward pass, so strategy="reverse" refuses it."""
+    if not isinstance(compile, bool):
+        raise TypeError(f"{call}: expected compile to be True or False, got {describe(compile)}.")
+    if compile and strategy == "reverse":
+        raise ValueError(f"{call}: compile=True compiles the forward tangent pass, which strategy='reverse' never "
+                         f"runs; use strategy='auto' or 'forward' with it.")
+    return compile
+
+
 def check_chunk_size(call, chunk_size):
     """Check that chunk_size is None or a positive integer (``operator.index``), and return it as an int."""
     original = chunk_size

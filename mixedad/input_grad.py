@@ -19,7 +19,7 @@ CALL = "input_grad(f, G, z, y)"
 @public_call
 def input_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[torch.Tensor, Sequence[torch.Tensor]],
                y: Any, *, chunk_size: Optional[int] = None,
-               strategy: str = "auto") -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
+               strategy: str = "auto", compile: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
     r"""The input gradient ∂f(y, G(z))/∂z, differentiable with respect to y at O(1) memory in depth.
 
     .. math::
@@ -69,6 +69,8 @@ def input_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[t
         chunk_size: keyword-only; None, or the number of latent codes per chunk.
         strategy: keyword-only; how the backward pushes tangents through G, as for
             :func:`mixedad.mixed_grad` ("auto", "forward" or "reverse").
+        compile: keyword-only; whether the backward's tangent passes run G's compiled tangent
+            program, as for :func:`mixedad.mixed_grad` (the forward's reverse pass stays eager).
 
     Returns:
         Tensors with z's structure, shapes and dtypes, connected to autograd through y's leaves.
@@ -88,10 +90,11 @@ def input_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[t
     check_not_nested(CALL)
     _checks.check_no_forward_tangents(CALL, [*zs, *y_leaves])
     _checks.check_strategy(CALL, strategy)
+    _checks.check_compile(CALL, compile, strategy)
     G = eager(G)
     _checks.check_devices(CALL, G, zs, y_leaves, y_spec)
     chunks = _checks.chunk_slices(CALL, zs, chunk_size)
-    meta = _Meta(f, G, y_spec, chunks, len(zs), strategy)
+    meta = _Meta(f, G, y_spec, chunks, len(zs), strategy, compile)
     out = _InputGrad.apply(meta, *zs, *y_leaves)
     return tuple(out) if isinstance(z, (tuple, list)) else out[0]
 
@@ -99,8 +102,9 @@ def input_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[t
 class _Meta:
     """What the autograd.Function needs besides tensors."""
 
-    def __init__(self, f, G, y_spec, chunks, n_z, strategy):
+    def __init__(self, f, G, y_spec, chunks, n_z, strategy, compile):
         self.f, self.G, self.y_spec, self.chunks, self.n_z, self.strategy = f, G, y_spec, chunks, n_z, strategy
+        self.compile = compile
         # RNG and train-mode buffers (BatchNorm statistics, spectral norm's u and v, EMAs) before
         # each chunk's forward pass: the backward replays each chunk from the state it saw.
         self.states = []
@@ -150,7 +154,7 @@ class _InputGrad(torch.autograd.Function):
                     state.restore()  # the RNG and buffers this chunk's forward pass saw
                     g_leaves, tangents, g_spec = push_tangent(
                         CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in cotangents], strategy=meta.strategy,
-                        cotangent=f_cotangent(CALL, meta.f, y_leaves, meta.y_spec),
+                        cotangent=f_cotangent(CALL, meta.f, y_leaves, meta.y_spec), compile=meta.compile,
                     )
                     grads = contract_f_with_tangent(
                         CALL, meta.f, y_leaves, meta.y_spec, g_leaves, tangents, g_spec, create_graph=False

@@ -21,7 +21,8 @@ __all__ = ["mixed_grad", "mixed_jacobian"]
 
 @public_call
 def mixed_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[torch.Tensor, Sequence[torch.Tensor]],
-               y: Any, v: Any = None, *, create_graph: bool = False, strategy: str = "auto") -> Any:
+               y: Any, v: Any = None, *, create_graph: bool = False, strategy: str = "auto",
+               compile: bool = False) -> Any:
     r"""Mixed derivative d/dy of the input gradient ∂f(y, G(z))/∂z, contracted with v.
 
     .. math::
@@ -68,6 +69,14 @@ def mixed_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[t
             output), all of G falls back to two reverse passes, with a warning. "forward" allows
             every per-op rule and raises instead of that whole-G fallback; "reverse" always
             uses the two reverse passes (memory grows with depth).
+        compile: keyword-only. If True, the tangent pass runs G's tangent program compiled with
+            ``torch.compile``, once per G and per input shapes and dtypes (and cached): faster
+            after the first call, which compiles and checks the compiled tangent against the
+            eager pass (a compiler that drops a tangent is caught there, and that G and shape
+            run eager from then on, with a warning). G must be an ``nn.Module`` that
+            ``torch.fx`` can trace, made of layers and ops tangent programs have rules for
+            (:mod:`mixedad._programs`); any other G runs eager, with a warning.
+            :func:`mixedad.compiled_tangents` lists what was compiled and the compile times.
 
     Returns:
         Tensors with the structure, shapes and dtypes of y. A leaf of y that the mixed
@@ -92,21 +101,22 @@ def mixed_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[t
         >>> mixedad.mixed_grad(f, G, z, y).shape
         torch.Size([3, 4])
     """
-    return _mixed_grad("mixed_grad(f, G, z, y)", f, G, z, y, v, create_graph, strategy)
+    return _mixed_grad("mixed_grad(f, G, z, y)", f, G, z, y, v, create_graph, strategy, compile)
 
 
-def _mixed_grad(call, f, G, z, y, v, create_graph, strategy):
+def _mixed_grad(call, f, G, z, y, v, create_graph, strategy, compile=False):
     zs, y_leaves, y_spec, vs = _checks.mixed_args(call, f, G, z, y, v)
     check_not_nested(call)
     _checks.check_no_forward_tangents(call, [*zs, *y_leaves, *vs])
     _checks.check_strategy(call, strategy)
     _checks.check_v_constant(call, vs, create_graph)
+    _checks.check_compile(call, compile, strategy)
     G = eager(G)
     _checks.check_devices(call, G, zs, y_leaves, y_spec)
     pushed = push_under_vmap(call, G, zs, vs) if strategy != "reverse" and in_functorch_transform() else None
     if pushed is None:
         cotangent = f_cotangent(call, f, y_leaves, y_spec, create_graph=create_graph)
-        pushed = push_tangent(call, G, zs, vs, strategy=strategy, cotangent=cotangent)
+        pushed = push_tangent(call, G, zs, vs, strategy=strategy, cotangent=cotangent, compile=compile)
     g_leaves, tangent_leaves, g_spec = pushed
     result = contract_f_with_tangent(
         call, f, y_leaves, y_spec, g_leaves, tangent_leaves, g_spec, create_graph=create_graph
@@ -114,20 +124,21 @@ def _mixed_grad(call, f, G, z, y, v, create_graph, strategy):
     return tree_unflatten(result, y_spec)
 
 
-def _rows(call, f, G, z, y, basis):
+def _rows(call, f, G, z, y, compile, basis):
     """Rows of the mixed Jacobian along the tangents ``basis`` (leading dimension k), in one pass of G."""
     zs, y_leaves, y_spec, _ = _checks.mixed_args(call, f, G, z, y, None)
     check_not_nested(call)
     _checks.check_no_forward_tangents(call, [*zs, *y_leaves])
     _checks.check_devices(call, G, zs, y_leaves, y_spec)
-    g_leaves, tangents, g_spec = push_tangents(call, G, zs, [basis])
+    g_leaves, tangents, g_spec = push_tangents(call, G, zs, [basis], compile=compile)
     rows = contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangents, g_spec, create_graph=False,
                                    batched=True)
     return rows[0]
 
 
 @public_call
-def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: torch.Tensor, y: Any, *, chunk_size: Optional[int] = None, strategy: str = "auto") -> Any:
+def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: torch.Tensor, y: Any, *,
+                   chunk_size: Optional[int] = None, strategy: str = "auto", compile: bool = False) -> Any:
     r"""The full mixed second derivative of f(y, G(z)) in z and y.
 
     .. math::
@@ -168,6 +179,8 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
         y: floating-point tensor (not a pytree).
         chunk_size: keyword-only; None or the number of basis tangents per batch.
         strategy: keyword-only; as for :func:`mixed_grad`.
+        compile: keyword-only; as for :func:`mixed_grad`. A batch of tangents runs ``torch.vmap``
+            of G's tangent program over the tangents, compiled once per chunk size.
 
     Returns:
         A tensor of shape ``z.shape + y.shape`` with y's dtype.
@@ -184,6 +197,7 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
     _checks.mixed_args(call, f, G, z, y, None)
     _checks.check_float_tensor(call, "y", y)
     _checks.check_strategy(call, strategy)
+    _checks.check_compile(call, compile, strategy)
     G = eager(G)
     n = z.numel()
     step = _checks.check_chunk_size(call, chunk_size) or n
@@ -193,7 +207,7 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
         # inside the user's own transform (vmap over codes): torch.func batches the tangents
         batched = vmap(lambda v: _mixed_grad(call, f, G, z, y, v, False, strategy), randomness="same")
     else:
-        batched = functools.partial(_rows, call, f, G, z, y)
+        batched = functools.partial(_rows, call, f, G, z, y, compile)
 
     state = Snapshot(G, call=call)  # every batch (or row) starts from the state the first one saw
 
@@ -202,7 +216,7 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
         for v in basis:
             state.restore()
             with state.watching():
-                rows.append(_mixed_grad(call, f, G, z, y, v, False, strategy))
+                rows.append(_mixed_grad(call, f, G, z, y, v, False, strategy, compile))
         return torch.stack(rows)
 
     rows_of = batched

@@ -183,9 +183,14 @@ def test_tangent_speed_runs_side_by_side_and_leaves_the_readme_alone_elsewhere(t
     assert _tangent_speed().main(["--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
     rows = {r["generator"]: r for r in json.loads((tmp_path / "tangent_speed_cpu.json").read_text())["rows"]}
     assert set(rows) == {"dcgan (eval)", "dcgan (train)", "mlp", "attention"}
-    assert set(rows["dcgan (eval)"]["time_vs_plain"]) == {"plain_forward", "mixed_grad", "torch.func.jvp", "hand JVP"}
+    assert set(rows["dcgan (eval)"]["time_vs_plain"]) == {"plain_forward", "mixed_grad", "mixed_grad compiled",
+                                                          "torch.func.jvp", "hand JVP"}
+    assert "mixed_grad compiled" not in rows["attention"]["time_vs_plain"]  # no tangent program: it would run eager
+    assert rows["dcgan (train)"]["mixed_grad_compile_seconds"] > 0
     assert rows["attention"]["peak_vs_plain"]["mixed_grad"] > 1
-    assert "| dcgan (train): mixed_grad time / plain forward |" in (tmp_path / "tangent_speed_cpu.md").read_text()
+    table = (tmp_path / "tangent_speed_cpu.md").read_text()
+    assert "| dcgan (train): mixed_grad time / plain forward |" in table
+    assert "| dcgan (eval): mixed_grad compiled time / plain forward |" in table
     assert (BENCH.parent / "README.md").read_text() == readme
 
 

@@ -31,6 +31,7 @@ TESTED_IN = {
     "mixedad/_frontend/__init__.py": "tests/test_layout.py",
     "mixedad/_curvature/__init__.py": "tests/test_layout.py",
     "mixedad/_planner/__init__.py": "tests/test_layout.py",
+    "mixedad/_programs/__init__.py": "tests/test_layout.py",
 }
 ZOO_TESTS = "tests/test_zoo.py"
 
@@ -56,7 +57,7 @@ def test_every_module_has_its_test_file(module):
 
 def test_the_package_shows_its_layers():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("__")}
-    assert {"_hooks", "op_rules", "_frontend", "_curvature", "zoo"} <= folders
+    assert {"_hooks", "op_rules", "_frontend", "_curvature", "_programs", "zoo"} <= folders
     assert (PACKAGE / "_backend.py").exists()
     private_top = sorted(p.name for p in PACKAGE.glob("_*.py") if not p.name.startswith("__"))
     assert private_top == ["_backend.py", "_checks.py", "_entry.py"], private_top

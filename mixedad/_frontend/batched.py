@@ -27,9 +27,11 @@ hooks, ``torch.autograd.grad`` inside G, a backward that is not linear), G updat
 place, attention with dropout, threads started by G, or a primal that depends on a transform
 outside mixedad's (G closing over a tensor that a user's vmap batches).
 """
+import functools
 import torch
 
 from mixedad._frontend.nesting import one_pass
+from mixedad._programs.compiled import push_compiled
 from mixedad._frontend.state import RngState, Snapshot
 from mixedad._frontend.tangents import _HOOKED, _THREADS, MAX_RESTARTS, _own_memory, _tensors_only, forward_pass
 from mixedad._hooks.function_apply import routing
@@ -42,7 +44,7 @@ from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, Unde
 __all__ = ["push_tangents", "push_under_vmap"]
 
 
-def push_tangents(call, G, zs, vs, *, recorder=None):
+def push_tangents(call, G, zs, vs, *, recorder=None, compile=False):
     r"""Evaluate G at z and push a batch of tangents through it in one pass.
 
     Args:
@@ -51,6 +53,8 @@ def push_tangents(call, G, zs, vs, *, recorder=None):
         zs: primal tensors (plain: not a torch.func transform's).
         vs: one tensor per primal, each of shape ``(k, *z.shape)``: the k tangents.
         recorder: None, or a :class:`mixedad.op_rules.PathRecorder`.
+        compile: run the batch through G's compiled tangent program (``torch.vmap`` of it over the
+            tangents; :mod:`mixedad._programs.compiled`), checked against this pass on first use.
 
     Returns:
         ``(g_leaves, tangent_leaves, spec)``: G's flattened output, the tangents of each leaf with
@@ -60,31 +64,38 @@ def push_tangents(call, G, zs, vs, *, recorder=None):
         UnderTransformError: the batch cannot be pushed in one pass (see the module docstring).
     """
     with one_pass(call):
-        snapshot = Snapshot(G, call=call)
-        if backward_hooks(snapshot.modules):
-            raise UnderTransformError(f"{call}: {_HOOKED}")
-        rules = OpRules(call, recorder, batch=TangentBatch())
-        for _ in range(MAX_RESTARTS + 1):
-            try:
-                with snapshot.watching():
-                    return _forward(call, G, zs, vs, rules)
-            except RestartPass:
-                snapshot.restore()  # the op that failed is now on the local rule
-                if recorder is not None:
-                    recorder.counts.clear()  # the aborted pass's ops are counted again by the next one
-            except UnderTransformError:
-                snapshot.restore()
-                raise
-            except (NeedsWholeG, NotLowerable) as error:
-                snapshot.restore()
-                raise UnderTransformError(f"{call}: {error}") from error
-            except OpRuleError:
-                raise
-            except NotImplementedError as error:  # an op the dispatch does not see has no formula
-                snapshot.restore()
-                raise UnderTransformError(f"{call}: {error}") from error
-        snapshot.restore()
-        raise UnderTransformError(f"{call}: more than {MAX_RESTARTS} ops of G needed the local rule in one call")
+        forward = functools.partial(_push_batch, call, G, zs, vs, recorder)
+        if compile:
+            return push_compiled(call, G, zs, vs, forward, batch=vs[0].shape[0])
+        return forward()
+
+
+def _push_batch(call, G, zs, vs, recorder):
+    snapshot = Snapshot(G, call=call)
+    if backward_hooks(snapshot.modules):
+        raise UnderTransformError(f"{call}: {_HOOKED}")
+    rules = OpRules(call, recorder, batch=TangentBatch())
+    for _ in range(MAX_RESTARTS + 1):
+        try:
+            with snapshot.watching():
+                return _forward(call, G, zs, vs, rules)
+        except RestartPass:
+            snapshot.restore()  # the op that failed is now on the local rule
+            if recorder is not None:
+                recorder.counts.clear()  # the aborted pass's ops are counted again by the next one
+        except UnderTransformError:
+            snapshot.restore()
+            raise
+        except (NeedsWholeG, NotLowerable) as error:
+            snapshot.restore()
+            raise UnderTransformError(f"{call}: {error}") from error
+        except OpRuleError:
+            raise
+        except NotImplementedError as error:  # an op the dispatch does not see has no formula
+            snapshot.restore()
+            raise UnderTransformError(f"{call}: {error}") from error
+    snapshot.restore()
+    raise UnderTransformError(f"{call}: more than {MAX_RESTARTS} ops of G needed the local rule in one call")
 
 
 def _forward(call, G, zs, vs, rules):

@@ -44,6 +44,7 @@ from mixedad._entry import frozen, warn_once
 from mixedad._frontend.grad_mode import ReadGradMode
 from mixedad._frontend.nesting import one_pass
 from mixedad._frontend.state import Snapshot
+from mixedad._programs.compiled import push_compiled
 from mixedad._hooks.attention_backends import differentiable_attention
 from mixedad._hooks.dual_level import dual_level_open, raised_entering_a_dual_level
 from mixedad._hooks.function_apply import routing
@@ -238,7 +239,7 @@ def _whole_g(call, G, zs, vs, strategy, reason, recorder, cotangent, at_cotangen
     return _reverse(call, G, zs, vs, cotangent, at_cotangent)
 
 
-def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=None):
+def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=None, compile=False):
     r"""Evaluate G at z and push the tangent v through it.
 
     .. math::
@@ -259,6 +260,8 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
             which path.
         cotangent: None (u = 1 is good enough: the report), or ``cotangent(g_leaves, spec)``
             returning :math:`\nabla_g f(y, g)` per leaf, for G whose backward is not linear.
+        compile: run G's compiled tangent program (:mod:`mixedad._programs.compiled`), checked
+            against this eager pass on its first call, and falling back to it where none runs.
 
     Returns:
         ``(g_leaves, tangent_leaves, spec)``: G's flattened output, the matching tangents
@@ -272,7 +275,10 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
             if recorder is not None:
                 recorder.fallback = "strategy='reverse'"
             return _reverse(call, G, zs, vs, cotangent)
-        return _push_forward(call, G, zs, vs, strategy, recorder, cotangent)
+        forward = functools.partial(_push_forward, call, G, zs, vs, strategy, recorder, cotangent)
+        if compile:
+            return push_compiled(call, G, zs, vs, forward)
+        return forward()
 
 
 #: PyTorch keeps one forward-AD level for the whole process (``forward_ad._current_level``), so

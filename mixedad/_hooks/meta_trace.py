@@ -1,0 +1,135 @@
+"""A ``torch.fx`` trace that carries meta tensors, for writing tangent programs.
+
+What this relies on in torch (pinned by ``tests/_hooks/test_meta_trace.py``):
+
+- ``torch.fx.experimental.meta_tracer.MetaTracer.trace(root, meta_args)`` traces with a meta
+  tensor per placeholder name and installs, on each proxy it creates, the meta value of the op
+  (``proxy._tensor_meta``; ``proxy.install_tensor_meta(value)``), so that traced code may read
+  shapes; ``proxys_to_metas`` maps proxies in arguments to their meta values;
+- while tracing, ``MetaTracer._disable_module_getattr`` set to True makes module attributes read
+  as they are (not as proxies);
+- ``torch.nn.utils.stateless._reparametrize_module(module, state)`` swaps a module's parameters
+  and buffers for the tensors of ``state`` inside a block, and puts them back after;
+- a custom ``torch.autograd.Function`` runs its forward below the frame of ``Function.apply`` in
+  ``torch/autograd/function.py``;
+- tensor factories and random draws are torch functions, which a ``TorchFunctionMode`` sees even
+  where a trace records nothing (arguments without proxies: the result becomes a constant);
+- ``torch._C._is_torch_function_mode_enabled()`` and ``torch._C._len_torch_dispatch_stack()`` say
+  whether a torch function mode or a dispatch mode is active.
+"""
+import sys
+import warnings
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.meta_tracer import MetaTracer, proxys_to_metas
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["MetaTrace", "inside_function_apply", "modes_active", "DTYPE"]
+
+#: ``node.meta[DTYPE]``: the dtype of the node's value where it is a tensor, None where it is a
+#: size or a number; absent where the trace could not tell (tuples, modules run without meta).
+DTYPE = "mixedad_dtype"
+_NOT_TENSORS = (bool, int, float, str, torch.Size, torch.dtype, torch.device, torch.memory_format)
+_FUNCTION_APPLY = sys.modules["torch.autograd.function"].__file__
+
+
+#: Names of the torch functions and Tensor methods that draw random numbers.
+RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial", "normal",
+          "poisson", "randperm", "normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_",
+          "cauchy_", "log_normal_", "dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d",
+          "dropout3d", "rrelu", "rrelu_", "native_dropout"}
+
+
+class _Draws(TorchFunctionMode):
+    """Calls ``before(trace, "random", name)`` for every random draw of the traced code (not of meta runs)."""
+
+    def __init__(self, trace):
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in RANDOM and not self.trace._meta_run and (kwargs or {}).get("training", True) is not False:
+            self.trace._before(self.trace, "random", name)
+        return func(*args, **(kwargs or {}))
+
+
+def inside_function_apply(since=None):
+    """Whether the caller runs inside a custom ``autograd.Function``'s ``apply`` (its forward).
+
+    ``since``: a frame of the caller's stack; only frames called from it are looked at (a trace
+    that itself runs inside a Function's backward is not refused for that).
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame is not since:
+        if frame.f_code.co_filename == _FUNCTION_APPLY and frame.f_code.co_name == "apply":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def modes_active():
+    """Whether a torch function mode or a dispatch mode is active on this thread."""
+    return torch._C._is_torch_function_mode_enabled() or bool(torch._C._len_torch_dispatch_stack())
+
+
+class MetaTrace(MetaTracer):
+    """A meta-carrying trace. ``before(trace, kind, target)`` runs before each node is recorded, and
+    with kind "random" before each random draw of the traced code (a draw without proxies leaves no
+    node: its value would become a constant of the graph); it may
+    raise to refuse); leaf modules for which ``meta_modules(module)`` is true get a meta value by
+    running their own ``forward`` on meta copies of their parameters and buffers (never G's own)."""
+
+    def __init__(self, before, meta_modules):
+        super().__init__()
+        self._before, self._meta_modules = before, meta_modules
+        self.started = None
+        self._meta_run = False
+
+    def run(self, root, meta_args):
+        """The traced ``fx.Graph`` of ``root`` at the meta tensors ``meta_args`` (by parameter name).
+
+        :attr:`started` is the caller's frame meanwhile, for :func:`inside_function_apply`. Nodes
+        without a meta value (an op with no meta kernel) are left without one, silently.
+        """
+        self.started = sys._getframe(1)
+        try:
+            with warnings.catch_warnings(), _Draws(self):  # MetaTracer warns for each node without a meta value
+                warnings.simplefilter("ignore")
+                return self.trace(root, meta_args)
+        finally:
+            self.started = None
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **more):
+        self._before(self, kind, target)
+        if kind == "call_module":
+            # Not MetaTracer's own meta run of a module: it would record the module's inner calls as nodes.
+            proxy = fx.Tracer.create_proxy(self, kind, target, args, kwargs, *rest, **more)
+            meta = self._module_on_meta(target, args, kwargs)
+            if meta is not None:
+                proxy.install_tensor_meta(meta)
+        else:
+            proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
+            meta = getattr(proxy, "_tensor_meta", None)
+        if isinstance(meta, torch.Tensor):
+            proxy.node.meta[DTYPE] = meta.dtype
+        elif isinstance(meta, _NOT_TENSORS):
+            proxy.node.meta[DTYPE] = None
+        return proxy
+
+    def _module_on_meta(self, target, args, kwargs):
+        module = self.root.get_submodule(target)
+        if not self._meta_modules(module):
+            return None
+        state = {name: t.to("meta") for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        self._disable_module_getattr = self._meta_run = True
+        try:
+            with _reparametrize_module(module, state):
+                return type(module).forward(module, *fx.node.map_aggregate(args, proxys_to_metas),
+                                            **fx.node.map_aggregate(kwargs, proxys_to_metas))
+        except Exception:  # noqa: BLE001 - no meta value: the node's dtype stays unknown
+            return None
+        finally:
+            self._disable_module_getattr = self._meta_run = False

@@ -1,0 +1,24 @@
+"""Tangent programs: G's tangent written out as one graph, for ``compile=True``.
+
+Where G's forward can be traced in full (``torch.fx``, with the inputs' shapes) and every op
+whose input carries a tangent has a rule here, mixedad writes one program that computes G(z) and
+its tangent together, from G's own calls and the tangent rules of
+:mod:`mixedad._programs.tangents`. ``mixed_grad(..., compile=True)`` (and ``input_grad``,
+``mixed_jacobian``) compile that program with ``torch.compile``, check it against mixedad's eager
+pass on its first call, and run it from then on (:mod:`mixedad._programs.compiled`).
+
+What a program covers: ``nn.Linear``, convolutions and transposed convolutions (frozen),
+batch norm (eval and training), instance, group and layer norm, pointwise activations (ReLU,
+LeakyReLU, tanh, sigmoid, GELU, SiLU, ELU, softplus, hardtanh), dropout in eval mode, padding,
+upsampling and shape ops, sums, products, quotients, matrix products, ``F.linear`` / ``F.conv*``
+with weights that carry tangents (modulated convolutions), ``cat`` / ``stack`` / ``where``, and
+``detach``. What it refuses, so that G runs on the eager pass instead (with a warning): an op
+with no rule on the tangent's way (attention, cdist feeding the output, custom modules torch.fx
+keeps whole), custom ``autograd.Function``\\ s, grad mode or autocast switched inside G, hooks,
+random ops, in-place writes into tensors used again, and control flow on values.
+
+Layout: :mod:`~mixedad._programs.trace` (the trace and what it refuses),
+:mod:`~mixedad._programs.rules` (node -> tangent), :mod:`~mixedad._programs.tangents` (the
+functions a program calls), :mod:`~mixedad._programs.program` (writing it),
+:mod:`~mixedad._programs.compiled` (compiling, checking, caching, falling back).
+"""

@@ -1,0 +1,251 @@
+"""``compile=True``: G's tangent program under ``torch.compile``, checked against the eager pass.
+
+Per G and per key (the inputs' shapes, strides, dtypes and devices; one tangent or a batch of k;
+which modules G holds and their train/eval modes; the CPU's oneDNN switch), the first call
+
+1. writes G's tangent program (:mod:`mixedad._programs.program`); where G has no program, the
+   call runs eager, with a warning that names what has no rule;
+2. compiles it with ``torch.compile`` (a batch of tangents: ``torch.vmap`` of the program over its
+   tangents, compiled), says so on standard error, and times it;
+3. runs it, then runs mixedad's eager pass from the same random state and buffers, and compares
+   every output and every tangent. A compiler that drops or changes a tangent (PyTorch's inductor
+   has: pytorch#187284, #192985) fails this check: the key runs eager from then on, with a warning.
+   The first call returns the eager pass's numbers.
+
+Later calls with the key run the compiled program alone. A compile or run that raises falls back
+to eager with a warning too. :func:`compiled_tangents` lists what was compiled, with compile times.
+"""
+import dataclasses
+import sys
+import time
+import weakref
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from mixedad._entry import warn_once
+from mixedad._frontend.state import Snapshot
+from mixedad._hooks.functorch import in_functorch_transform
+from mixedad._hooks.meta_trace import modes_active
+from mixedad._programs.program import write
+from mixedad._programs.trace import Unsupported
+
+__all__ = ["CompiledTangent", "compiled_tangents", "push_compiled", "TOLERANCE"]
+
+#: Largest difference between the compiled and the eager tangent (and output), in the 2-norm
+#: relative to the eager one's, that the check accepts, by dtype. Compilers reorder sums, and where
+#: a ReLU's input lies within round-off of zero the two may take different sides of the kink at a
+#: few positions; a dropped or changed tangent term differs by far more.
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
+_REDUCED = 3e-2
+
+
+@dataclasses.dataclass
+class CompiledTangent:
+    r"""One compiled tangent program of a G: for which inputs, whether it is used, and what it cost.
+
+    A program is used once its first call passed the check against mixedad's eager pass,
+    output by output of G (primal :math:`g` and tangent :math:`\dot g`):
+
+    .. math::
+
+        \lVert \dot g_{\text{compiled}} - \dot g_{\text{eager}} \rVert_2
+            \le \tau \, \lVert \dot g_{\text{eager}} \rVert_2
+
+    with :math:`\tau` from :data:`TOLERANCE` by dtype (:math:`10^{-3}` in float32).
+
+    Attributes:
+        inputs: ``(shape, dtype)`` of each input of G.
+        tangents: 1 for mixed_grad and input_grad, k for a batch of k (mixed_jacobian).
+        status: "compiled" (checked against eager and in use) or "eager" (see ``reason``).
+        reason: why this key runs eager; empty when compiled.
+        compile_seconds: time of the first compiled call (compiling included), or None.
+        difference: the check's largest relative difference from the eager pass, or None.
+
+    Example:
+        >>> import torch, mixedad
+        >>> entry = mixedad.CompiledTangent(inputs=[((4, 8), torch.float32)], tangents=1)
+        >>> entry.status, entry.compile_seconds
+        ('eager', None)
+    """
+
+    inputs: List[Any]
+    tangents: int
+    status: str = "eager"
+    reason: str = ""
+    compile_seconds: Optional[float] = None
+    difference: Optional[float] = None
+    program: Any = dataclasses.field(default=None, repr=False)
+    spec: Any = dataclasses.field(default=None, repr=False)
+    run: Any = dataclasses.field(default=None, repr=False)
+
+
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, CompiledTangent]]" = weakref.WeakKeyDictionary()
+
+
+def compiled_tangents(G: nn.Module) -> List[CompiledTangent]:
+    r"""The tangent programs ``compile=True`` has made for G, one per key, oldest first.
+
+    A key is one set of input shapes, strides, dtypes and devices, one number of tangents, and
+    one state of G's modules (which modules, in which train/eval mode). Each entry says whether
+    its program runs compiled, and its compile time (the first call: compiling, running, and the
+    check against the eager pass,
+
+    .. math::
+
+        t_{\text{first}} = t_{\text{compile}} + t_{\text{compiled run}} + t_{\text{eager pass}}).
+
+    Example:
+        >>> import torch, mixedad
+        >>> G = torch.nn.Linear(3, 2)
+        >>> mixedad.compiled_tangents(G)
+        []
+    """
+    return list(_CACHE.get(G, {}).values())
+
+
+def _key(G, zs, vs, batch):
+    tensors = tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in (*zs, *vs))
+    modules = tuple((id(m), m.training) for m in G.modules())
+    return batch, tensors, modules, torch.backends.mkldnn.enabled
+
+
+def _refusal(G, zs, vs):
+    """Why this call cannot take a compiled program at all (before any key), or None."""
+    if not isinstance(G, nn.Module):
+        return f"G is a {type(G).__name__}, and tangent programs take an nn.Module"
+    if in_functorch_transform():
+        return "the call runs inside a torch.func transform"
+    if modes_active():
+        return "a torch function or dispatch mode is active"
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        return "autocast is on"
+    if any(type(t) is not torch.Tensor or t.layout != torch.strided for t in (*zs, *vs)):
+        return "an input is a tensor subclass or not strided"
+    return None
+
+
+def _differs(compiled, eager):
+    """The largest relative difference (2-norm) over matching leaves, or inf where they do not match.
+
+    A tangent that is None (an output that is no floating-point tensor) matches None or zeros.
+    """
+    worst = 0.0
+    for a, b in zip(compiled, eager, strict=True):
+        if a is None or b is None:
+            other = b if a is None else a
+            if other is not None and (not isinstance(other, torch.Tensor) or other.any()):
+                return float("inf")
+            continue
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            if type(a) is not type(b) or a != b:
+                return float("inf")
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return float("inf")
+        if not b.is_floating_point():
+            if not torch.equal(a, b):
+                return float("inf")
+            continue
+        if not b.numel():
+            continue
+        a64, b64 = a.detach().double(), b.detach().double()
+        relative = ((a64 - b64).norm() / b64.norm().clamp_min(torch.finfo(torch.float64).tiny)).item()
+        if relative != relative:  # NaN
+            return float("inf")
+        worst = max(worst, relative)
+    return worst
+
+
+def _describe_inputs(zs):
+    return ", ".join(f"{tuple(z.shape)} {str(z.dtype).replace('torch.', '')}" for z in zs)
+
+
+def _compile(entry, batch, n):
+    program = entry.program
+    if batch:
+        fn = torch.vmap(program.module, in_dims=(None,) * n + (0,) * n, out_dims=(None, 0))
+    else:
+        fn = program.module
+    return torch.compile(fn, dynamic=False)
+
+
+def push_compiled(call, G, zs, vs, eager_push, *, batch=0):
+    """``(g_leaves, tangent_leaves, spec)`` of G at zs along vs, by G's compiled tangent program.
+
+    ``eager_push()`` is mixedad's eager pass for the same inputs: the check on a key's first
+    call, and the fallback wherever no compiled program runs. ``batch``: 0 for one tangent, k
+    for tangents with a leading dimension of k.
+    """
+    refusal = _refusal(G, zs, vs)
+    if refusal is not None:
+        warn_once(("compile refused", call, refusal), f"mixedad: {call} with compile=True runs eager here: {refusal}.")
+        return eager_push()
+    entries = _CACHE.setdefault(G, {})
+    key = _key(G, zs, vs, batch)
+    entry = entries.get(key)
+    if entry is None:
+        entry = entries[key] = CompiledTangent([(tuple(z.shape), z.dtype) for z in zs], batch or 1)
+        return _first_call(call, G, zs, vs, eager_push, entry, batch)
+    if entry.status != "compiled":
+        return eager_push()
+    try:
+        with torch.no_grad():
+            primals, tangents = entry.run(*zs, *vs)
+    except Exception as error:  # noqa: BLE001 - any failure of a compiled run falls back to eager
+        _fall_back(call, G, entry, f"the compiled program raised {type(error).__name__}: {error}")
+        return eager_push()
+    return list(primals), list(tangents), entry.spec
+
+
+def _fall_back(call, G, entry, reason):
+    entry.status, entry.reason, entry.run = "eager", reason, None
+    warn_once(("compile fell back", id(G), reason),
+              f"mixedad: {call} with compile=True runs eager for {type(G).__name__} at inputs "
+              f"{_describe_inputs_of(entry)}: {reason}.")
+
+
+def _describe_inputs_of(entry):
+    return ", ".join(f"{shape} {str(dtype).replace('torch.', '')}" for shape, dtype in entry.inputs)
+
+
+def _first_call(call, G, zs, vs, eager_push, entry, batch):
+    snapshot = Snapshot(G, call=call)
+    try:
+        entry.program = write(G, zs)
+    except Unsupported as error:
+        _fall_back(call, G, entry, f"no tangent program ({error})")
+        return eager_push()
+    print(f"mixedad: compiling the tangent program of {type(G).__name__} for inputs {_describe_inputs(zs)}"
+          f"{f' and {batch} tangents' if batch else ''} (once per G, shapes and dtypes) ...", file=sys.stderr,
+          flush=True)
+    start = time.perf_counter()
+    try:
+        run = _compile(entry, batch, len(zs))
+        with torch.no_grad():
+            primals, tangents = run(*zs, *vs)
+    except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
+        snapshot.restore()
+        _fall_back(call, G, entry, f"torch.compile failed ({type(error).__name__}: {str(error).splitlines()[0][:300]})")
+        return eager_push()
+    entry.compile_seconds = time.perf_counter() - start
+    snapshot.restore()
+    try:
+        g_leaves, tangent_leaves, spec = eager_push()
+    except Exception as error:
+        entry.reason = f"the eager pass it is checked against raised {type(error).__name__}"
+        raise
+    entry.spec = spec
+    difference = max(_differs(list(primals), g_leaves), _differs(list(tangents), tangent_leaves))
+    entry.difference = difference
+    dtype = zs[0].dtype
+    tolerance = TOLERANCE.get(dtype, _REDUCED)
+    if not difference <= tolerance:
+        _fall_back(call, G, entry, f"the compiled tangent differs from the eager pass (largest relative "
+                                   f"difference {difference:.3g}, tolerance {tolerance:g}): a compiler bug")
+    else:
+        entry.status, entry.run = "compiled", run
+        print(f"mixedad: compiled in {entry.compile_seconds:.1f} s; matches the eager pass (largest relative "
+              f"difference {difference:.1e}).", file=sys.stderr, flush=True)
+    return g_leaves, tangent_leaves, spec

@@ -1,0 +1,322 @@
+"""Which node of G's traced graph gets which tangent, when the program is written.
+
+Each rule takes the :class:`Emit` of one node (the primal node already written) and writes the
+node(s) that compute its tangent, calling :mod:`mixedad._programs.tangents`. A node whose inputs
+carry no tangent is copied as it is and has none. A node with a tangent input and no rule here
+makes the whole program :class:`~mixedad._programs.trace.Unsupported` (G then runs on mixedad's
+per-op pass): a program never guesses.
+"""
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from mixedad._programs import tangents as T
+from mixedad._programs.trace import Unsupported
+
+__all__ = ["MODULES", "FUNCTIONS", "METHODS", "NOT_TENSORS", "RANDOM", "Emit", "Missing", "carries"]
+
+
+class Emit:
+    """One node being written: its primal arguments, their tangents, and the graph to write into.
+
+    ``args``/``kwargs``: the node's arguments with nodes replaced by their primal nodes;
+    ``targs``/``tkwargs``: the same with nodes replaced by their tangent nodes (None: constant).
+    ``y``: the node's primal node in the program; ``module``: the called module, if any.
+    """
+
+    def __init__(self, builder, node, y, args, kwargs, targs, tkwargs, module=None):
+        self.builder, self.node, self.y, self.module = builder, node, y, module
+        self.args, self.kwargs, self.targs, self.tkwargs = args, kwargs, targs, tkwargs
+
+    def call(self, fn, *args, **kwargs):
+        return self.builder.graph.call_function(fn, args, kwargs)
+
+    def module_node(self):
+        return self.builder.graph.get_attr(self.node.target)
+
+    def arg(self, i, name, default=None):
+        """The primal argument at position i or keyword name."""
+        if i < len(self.args):
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+    def targ(self, i, name):
+        """The tangent of the argument at position i or keyword name (None: constant)."""
+        if i < len(self.targs):
+            return self.targs[i]
+        return self.tkwargs.get(name)
+
+    def only_first(self):
+        """The tangent of the first argument, refusing ops where another argument carries one."""
+        rest = [t for t in list(self.targs[1:]) + list(self.tkwargs.values()) if carries(t)]
+        if rest:
+            raise Unsupported(f"{describe(self.node)} with a tangent in an argument other than its input")
+        return self.targs[0] if self.targs else self.tkwargs.get("input")
+
+    def same_op_on_tangent(self, **replace):
+        """The node's own op applied to the tangent of its input (ops linear in their input)."""
+        t = self.only_first()
+        node = self.node
+        args = (t, *self.args[1:]) if self.targs else self.args
+        kwargs = dict(self.kwargs, **replace)
+        if not self.targs:
+            kwargs["input"] = t
+        if node.op == "call_method":
+            return self.builder.graph.call_method(node.target, args, kwargs)
+        if node.op == "call_module":
+            return self.builder.graph.call_module(node.target, args, kwargs)
+        return self.builder.graph.call_function(node.target, args, kwargs)
+
+
+class Missing:
+    """The tangent of a node no rule covers: an error only if something downstream needs it."""
+
+    def __init__(self, reason):
+        self.reason = reason
+
+
+def carries(t):
+    """Whether a (possibly nested) tangent argument holds a tangent: a node, or a :class:`Missing` one."""
+    if isinstance(t, (list, tuple)):
+        return any(carries(x) for x in t)
+    if isinstance(t, dict):
+        return any(carries(x) for x in t.values())
+    if isinstance(t, slice):
+        return any(carries(x) for x in (t.start, t.stop, t.step))
+    return isinstance(t, (fx.Node, Missing))
+
+
+def describe(node):
+    if node.op == "call_module":
+        return f"module {node.target}"
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    return getattr(node.target, "__qualname__", None) or str(node.target)
+
+
+# --- modules ------------------------------------------------------------------------------------
+
+def _linear_module(e):
+    return e.call(T.linear, e.only_first(), e.builder.graph.get_attr(f"{e.node.target}.weight"))
+
+
+def _conv_module(e):
+    if len(e.args) > 1 or e.kwargs:  # ConvTranspose's output_size
+        raise Unsupported(f"{describe(e.node)} called with output_size")
+    return e.call(T.conv, e.module_node(), e.only_first())
+
+
+def _batch_norm_module(e):
+    m = e.module
+    t = e.only_first()
+    if m.training or m.running_mean is None or m.running_var is None:
+        return e.call(T.batch_norm_train, e.module_node(), e.args[0], t)
+    return e.call(T.batch_norm_eval, e.module_node(), t)
+
+
+def _instance_norm_module(e):
+    m = e.module
+    if m.track_running_stats and not m.training:
+        raise Unsupported(f"{describe(e.node)}: instance norm with running statistics in eval mode")
+    return e.call(T.instance_norm, e.module_node(), e.args[0], e.only_first())
+
+
+def _pointwise_module(fn, params):
+    def rule(e):
+        if getattr(e.module, "inplace", False) and len(e.node.args[0].users) > 1:
+            raise Unsupported(f"{describe(e.node)} writes in place into a tensor that is used again")
+        values = {name: getattr(e.module, name) for name in params}
+        return e.call(fn, e.only_first(), e.args[0], e.y, values)
+    return rule
+
+
+def _linear_module_without_weights(e):
+    if isinstance(e.module, (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)):
+        return e.call(F.pad, e.only_first(), e.module.padding, "constant", 0.0)
+    return e.same_op_on_tangent()
+
+
+def _named(rule, name):
+    return lambda e: rule(e, name)
+
+
+MODULES = {nn.Linear: _linear_module, nn.Identity: lambda e: e.only_first()}
+for _type in (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
+    MODULES[_type] = _conv_module
+for _type in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+    MODULES[_type] = _batch_norm_module
+for _type in (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d):
+    MODULES[_type] = _instance_norm_module
+MODULES[nn.GroupNorm] = lambda e: e.call(T.group_norm, e.module_node(), e.args[0], e.only_first())
+MODULES[nn.LayerNorm] = lambda e: e.call(T.layer_norm, e.module_node(), e.args[0], e.only_first())
+MODULES.update({
+    nn.ReLU: _pointwise_module(T.relu, ()),
+    nn.LeakyReLU: _pointwise_module(T.leaky_relu, ("negative_slope",)),
+    nn.Tanh: _pointwise_module(T.tanh, ()),
+    nn.Sigmoid: _pointwise_module(T.sigmoid, ()),
+    nn.GELU: _pointwise_module(T.gelu, ("approximate",)),
+    nn.SiLU: _pointwise_module(T.silu, ()),
+    nn.ELU: _pointwise_module(T.elu, ("alpha",)),
+    nn.Softplus: _pointwise_module(T.softplus, ("beta", "threshold")),
+    nn.Hardtanh: _pointwise_module(T.hardtanh, ("min_val", "max_val")),
+    nn.ReLU6: _pointwise_module(T.hardtanh, ("min_val", "max_val")),
+})
+for _type in (nn.Flatten, nn.Unflatten, nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d,
+              nn.PixelShuffle, nn.PixelUnshuffle, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.ReflectionPad1d,
+              nn.ReflectionPad2d, nn.ReflectionPad3d, nn.ReplicationPad1d, nn.ReplicationPad2d, nn.ReplicationPad3d,
+              nn.CircularPad1d, nn.CircularPad2d, nn.CircularPad3d, nn.ConstantPad1d, nn.ConstantPad2d,
+              nn.ConstantPad3d, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout):
+    MODULES[_type] = _linear_module_without_weights
+
+
+# --- functions and methods ----------------------------------------------------------------------
+
+def _pointwise_function(fn, defaults):
+    """A functional activation ``f(input, *params)``; ``defaults`` name its parameters in order."""
+    def rule(e):
+        values = {}
+        for i, (name, default) in enumerate(defaults, start=1):
+            values[name] = e.arg(i, name, default)
+        if e.arg(len(defaults) + 1, "inplace", False) and len(e.node.args[0].users) > 1:
+            raise Unsupported(f"{describe(e.node)} writes in place into a tensor that is used again")
+        return e.call(fn, e.only_first(), e.args[0] if e.args else e.kwargs["input"], e.y, values)
+    return rule
+
+
+def _binary(fn):
+    def rule(e):
+        ta, tb = e.targ(0, "input"), e.targ(1, "other")
+        if "alpha" in e.kwargs or "rounding_mode" in e.kwargs or len(e.args) > 2:
+            raise Unsupported(f"{describe(e.node)} with alpha or rounding_mode")
+        if fn in (T.add, T.sub):
+            return e.call(fn, e.y, ta, tb)
+        return e.call(fn, e.y, e.arg(0, "input"), e.arg(1, "other"), ta, tb)
+    return rule
+
+
+def _reduction(e):
+    return e.same_op_on_tangent()
+
+
+def _power(e):
+    exponent = e.arg(1, "exponent")
+    if carries(e.targ(1, "exponent")) or not isinstance(exponent, (int, float)):
+        raise Unsupported(f"{describe(e.node)} with an exponent that is not a constant number")
+    return e.call(T.power, e.only_first(), e.arg(0, "input"), e.y, {"exponent": exponent})
+
+
+def _joined(how):
+    def rule(e):
+        tensors, dim = e.arg(0, "tensors"), e.arg(1, "dim", 0)
+        return e.call(T.joined, how, tensors, e.targ(0, "tensors"), dim)
+    return rule
+
+
+def _attribute(e):
+    """``x.T`` and ``x.mT`` (transposes); other attributes with a tangent have no rule."""
+    if e.args[1] not in ("T", "mT"):
+        raise Unsupported(f"the attribute {e.args[1]!r} of a tensor that carries a tangent")
+    return e.call(getattr, e.only_first(), e.args[1])
+
+
+def _getitem(e):
+    if e.builder.tuple_valued(e.node.args[0]):
+        return e.call(operator.getitem, e.targs[0], e.args[1])
+    return e.same_op_on_tangent()
+
+
+def _tuple_valued(e):
+    e.builder.mark_tuple(e.node)
+    return e.same_op_on_tangent()
+
+
+def _where(e):
+    condition = e.arg(0, "condition")
+    if carries(e.targ(0, "condition")):
+        raise Unsupported("torch.where with a condition that carries a tangent")
+    return e.call(T.where, e.y, condition, e.targ(1, "input"), e.targ(2, "other"), e.arg(1, "input"),
+                  e.arg(2, "other"))
+
+
+def _pad(e):
+    mode = e.arg(2, "mode", "constant")
+    return e.same_op_on_tangent(value=0.0) if mode == "constant" else e.same_op_on_tangent()
+
+
+def _weighted(spatial):
+    """F.linear / F.conv* as functions: bilinear in (input, weight), affine in bias."""
+    def rule(e):
+        x, w = e.arg(0, "input"), e.arg(1, "weight")
+        tx, tw, tb = e.targ(0, "input"), e.targ(1, "weight"), e.targ(2, "bias")
+        rest_args, rest_kwargs = list(e.args[3:]), {k: v for k, v in e.kwargs.items()
+                                                     if k not in ("input", "weight", "bias")}
+        if any(carries(t) for t in list(e.targs[3:]) + [e.tkwargs.get(k) for k in rest_kwargs]):
+            raise Unsupported(f"{describe(e.node)} with a tangent in a hyperparameter")
+        parts = []
+        if tx is not None:
+            parts.append(e.call(e.node.target, tx, w, None, *rest_args, **rest_kwargs))
+        if tw is not None:
+            parts.append(e.call(e.node.target, x, tw, None, *rest_args, **rest_kwargs))
+        total = None if not parts else parts[0] if len(parts) == 1 else e.call(operator.add, *parts)
+        return e.call(T.add, e.y, total, e.call(T.bias, tb, spatial))
+    return rule
+
+
+#: Ops that draw random numbers: a compiled program need not draw them as eager code does.
+RANDOM = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
+          torch.bernoulli, torch.multinomial, torch.normal, torch.randperm, torch.poisson, F.dropout,
+          F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, F.rrelu}
+
+_LINEAR_FUNCTIONS = (torch.flatten, torch.reshape, torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze,
+                     torch.roll, torch.flip, torch.narrow, torch.movedim, torch.swapaxes, torch.sum, torch.mean,
+                     F.interpolate, F.pixel_shuffle, F.pixel_unshuffle, torch.clone, torch.unflatten)
+FUNCTIONS = {fn: lambda e: e.same_op_on_tangent() for fn in _LINEAR_FUNCTIONS}
+FUNCTIONS.update({
+    operator.add: _binary(T.add), torch.add: _binary(T.add), operator.sub: _binary(T.sub),
+    torch.sub: _binary(T.sub), operator.mul: _binary(T.mul), torch.mul: _binary(T.mul),
+    operator.truediv: _binary(T.div), torch.div: _binary(T.div), operator.matmul: _binary(T.matmul),
+    torch.matmul: _binary(T.matmul),
+    operator.neg: lambda e: e.call(operator.neg, e.only_first()), torch.neg: lambda e: e.call(operator.neg, e.only_first()),
+    operator.pos: lambda e: e.only_first(),
+    operator.getitem: _getitem,
+    torch.cat: _joined("cat"), torch.concat: _joined("cat"), torch.stack: _joined("stack"),
+    torch.chunk: _tuple_valued, torch.split: _tuple_valued, torch.unbind: _tuple_valued,
+    torch.where: _where, torch.detach: lambda e: None, getattr: _attribute,
+    torch.zeros_like: lambda e: None, torch.ones_like: lambda e: None, torch.full_like: lambda e: None,
+    torch.empty_like: lambda e: None, F.pad: _pad, operator.pow: _power, torch.pow: _power,
+    F.linear: _weighted(0), F.conv1d: _weighted(1), F.conv2d: _weighted(2), F.conv3d: _weighted(3),
+    F.conv_transpose1d: _weighted(1), F.conv_transpose2d: _weighted(2), F.conv_transpose3d: _weighted(3),
+    torch.relu: _pointwise_function(T.relu, ()), F.relu: _pointwise_function(T.relu, ()),
+    torch.tanh: _pointwise_function(T.tanh, ()), F.tanh: _pointwise_function(T.tanh, ()),
+    torch.sigmoid: _pointwise_function(T.sigmoid, ()), F.sigmoid: _pointwise_function(T.sigmoid, ()),
+    F.leaky_relu: _pointwise_function(T.leaky_relu, (("negative_slope", 0.01),)),
+    F.gelu: lambda e: e.call(T.gelu, e.only_first(), e.args[0], e.y, {"approximate": e.kwargs.get("approximate", "none")}),
+    F.silu: _pointwise_function(T.silu, ()),
+    F.elu: _pointwise_function(T.elu, (("alpha", 1.0),)),
+    F.softplus: _pointwise_function(T.softplus, (("beta", 1.0), ("threshold", 20.0))),
+    F.hardtanh: _pointwise_function(T.hardtanh, (("min_val", -1.0), ("max_val", 1.0))),
+    torch.exp: _pointwise_function(T.exp, ()), torch.sqrt: _pointwise_function(T.sqrt, ()),
+    torch.rsqrt: _pointwise_function(T.rsqrt, ()), torch.abs: _pointwise_function(T.absolute, ()),
+})
+
+_LINEAR_METHODS = ("view", "reshape", "flatten", "unflatten", "permute", "transpose", "squeeze", "unsqueeze",
+                   "contiguous", "expand", "expand_as", "repeat", "clone", "narrow", "roll", "flip", "sum", "mean",
+                   "movedim", "swapaxes", "float", "double", "half", "bfloat16", "to", "type_as", "view_as",
+                   "reshape_as")
+METHODS = {name: lambda e: e.same_op_on_tangent() for name in _LINEAR_METHODS}
+METHODS.update({
+    "add": _binary(T.add), "sub": _binary(T.sub), "mul": _binary(T.mul), "div": _binary(T.div),
+    "matmul": _binary(T.matmul), "neg": lambda e: e.call(operator.neg, e.only_first()),
+    "detach": lambda e: None, "new_zeros": lambda e: None, "new_ones": lambda e: None, "new_full": lambda e: None,
+    "new_empty": lambda e: None, "new_tensor": lambda e: None, "chunk": _tuple_valued, "split": _tuple_valued, "unbind": _tuple_valued,
+    "relu": _pointwise_function(T.relu, ()), "tanh": _pointwise_function(T.tanh, ()),
+    "sigmoid": _pointwise_function(T.sigmoid, ()), "exp": _pointwise_function(T.exp, ()),
+    "sqrt": _pointwise_function(T.sqrt, ()), "rsqrt": _pointwise_function(T.rsqrt, ()), "pow": _power,
+    "abs": _pointwise_function(T.absolute, ()),
+})
+#: Methods and attributes whose value is not a tensor: no tangent.
+NOT_TENSORS = {"size", "dim", "numel", "ndimension", "nelement", "stride", "is_contiguous", "shape", "dtype",
+               "device", "ndim", "is_cuda", "layout", "requires_grad", "is_floating_point"}

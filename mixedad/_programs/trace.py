@@ -1,0 +1,88 @@
+"""Tracing G into a graph of known layers and ops, or saying why not.
+
+A ``torch.fx`` trace records what G's Python code does with its input, module by module:
+``torch.nn`` modules stay calls (leaves), the user's own modules are traced through. The trace
+carries meta tensors of the inputs' shapes (``torch.fx.experimental.meta_tracer``), so code that
+reads shapes (``x.reshape(*x.shape[:-1], 4, 4)``) traces, with those shapes fixed: a program
+holds for one set of input shapes. Code that reads values (``if x.sum() > 0``) does not trace. What
+a trace cannot see is refused here, rather than turned into a program that differs from what G
+computes:
+
+- random draws (dropout in training mode, noise): a compiled program draws other numbers, and a
+  draw whose arguments are known at trace time would become a constant;
+- grad mode, inference mode or autocast switched inside G (a ``torch.no_grad()`` block runs at
+  trace time and leaves no node: its ops would get tangents that double backward never gives);
+- custom ``torch.autograd.Function``\\ s (a trace sees their forward, never their backward, which
+  is the meaning);
+- hooks on any module, or in the process (a trace never runs them);
+- a G that is not an ``nn.Module``, data-dependent control flow, or any other failure of the trace.
+"""
+import inspect
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from mixedad._hooks.meta_trace import MetaTrace, inside_function_apply
+from mixedad._hooks.module_hooks import backward_hooks
+from mixedad._hooks.sequential import forward_hooks
+
+__all__ = ["Unsupported", "trace"]
+
+
+class Unsupported(Exception):
+    """G, or an op of G, has no tangent program; the message says which and why."""
+
+
+def _before_each_node(tracer, kind, target):
+    """Refuse what the graph would not show (the module docstring)."""
+    if inside_function_apply(since=tracer.started):
+        raise Unsupported("G calls a custom torch.autograd.Function, whose backward a trace cannot see")
+    if kind == "random":
+        raise Unsupported(f"G draws random numbers ({target}), which a compiled program would draw otherwise")
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        raise Unsupported("G switches grad mode off inside its forward (torch.no_grad(), inference_mode)")
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        raise Unsupported("G runs part of its forward under autocast")
+
+
+def _hooks(G):
+    modules = list(G.modules())
+    if forward_hooks(*modules) or backward_hooks(modules):
+        return "G's modules (or the process) have forward or backward hooks, which a trace never runs"
+    for name, m in G.named_modules():
+        if "forward" in vars(m):
+            return f"module {name or type(G).__name__} has its forward replaced on the instance"
+    return None
+
+
+def trace(G, zs):
+    """G's ``torch.fx.GraphModule`` for inputs shaped as ``zs`` (sharing G's modules and parameters).
+
+    G's buffers and attributes are left as they were (a module's forward runs on meta tensors
+    while traced, and may count calls). Raises :class:`Unsupported`.
+    """
+    from mixedad._frontend.state import Snapshot
+    from mixedad._programs.rules import MODULES
+    if not isinstance(G, nn.Module) or isinstance(G, (torch.jit.ScriptModule, fx.GraphModule)):
+        raise Unsupported(f"G is a {type(G).__name__}; tangent programs take an nn.Module")
+    hooked = _hooks(G)
+    if hooked:
+        raise Unsupported(hooked)
+    names = [p.name for p in inspect.signature(G.forward).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(names) < len(zs):
+        raise Unsupported(f"G's forward takes {len(names)} named positional inputs, {len(zs)} given")
+    meta = {name: torch.empty_strided(z.shape, z.stride(), dtype=z.dtype, device="meta") for name, z in zip(names, zs)}
+    snapshot = Snapshot(G)
+    try:
+        with torch.enable_grad(), torch.inference_mode(False):
+            graph = MetaTrace(_before_each_node, lambda m: type(m) in MODULES).run(G, meta)
+    except Unsupported:
+        raise
+    except Exception as error:  # a trace fails in many ways: data-dependent control flow, iteration, ...
+        raise Unsupported(f"torch.fx cannot trace G ({type(error).__name__}: {str(error).splitlines()[0][:200]})") \
+            from error
+    finally:
+        snapshot.restore()
+    return fx.GraphModule(G, graph)

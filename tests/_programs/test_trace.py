@@ -1,0 +1,116 @@
+"""What a trace refuses, so that no program differs from what G computes; and G left as found."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixedad._programs.program import write
+from mixedad._programs.trace import Unsupported, trace
+
+
+class _Wrap(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.fn = fn
+
+    def forward(self, z):
+        return self.fn(self, z)
+
+
+class _Clip(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.clamp(-0.1, 0.1)  # an odd backward: the meaning, which a trace never sees
+
+
+def _no_grad_block(self, z):
+    with torch.no_grad():
+        h = self.linear(z)
+    return h + z
+
+
+def _autocast_block(self, z):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = self.linear(z)
+    return h.float()
+
+
+def _values_read(self, z):
+    return self.linear(z) if z.sum() > 0 else -z
+
+
+REFUSED = {
+    "no_grad": (_no_grad_block, "grad mode"),
+    "autocast": (_autocast_block, "autocast"),
+    "custom_function": (lambda self, z: _Clip.apply(self.linear(z)), "custom torch.autograd.Function"),
+    "values_read": (_values_read, "cannot trace"),
+    "noise": (lambda self, z: self.linear(z) + torch.randn(z.shape), "random"),
+    "noise_from_a_generator": (lambda self, z: self.linear(z) + torch.randn(z.shape, generator=torch.Generator()),
+                               "random"),
+    "dropout": (lambda self, z: F.dropout(self.linear(z), 0.5, training=True), "random"),
+    "in_place_on_a_reused_tensor": (lambda self, z: torch.relu_(self.linear(z)) + z, "no tangent rule"),
+    "no_rule": (lambda self, z: torch.cumsum(self.linear(z), 0), "cumsum"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_what_a_trace_cannot_see_is_refused(case):
+    fn, message = REFUSED[case]
+    G = _Wrap(fn)
+    z = torch.randn(2, 3)
+    rng = torch.get_rng_state()
+    with pytest.raises(Unsupported, match=message):
+        write(G, [z])
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_eval_dropout_is_no_draw():
+    G = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)).eval()
+    write(G, [torch.randn(2, 3)])
+    with pytest.raises(Unsupported, match="random"):
+        write(G.train(), [torch.randn(2, 3)])
+
+
+def test_hooks_and_replaced_forwards_are_refused():
+    G = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    handle = G[0].register_forward_hook(lambda *a: None)
+    with pytest.raises(Unsupported, match="hooks"):
+        trace(G, [torch.randn(2, 3)])
+    handle.remove()
+    G[1].forward = lambda x: x
+    with pytest.raises(Unsupported, match="replaced"):
+        trace(G, [torch.randn(2, 3)])
+
+
+def test_only_modules_with_named_inputs_are_traced():
+    with pytest.raises(Unsupported, match="nn.Module"):
+        trace(lambda z: z * 2, [torch.randn(2)])
+
+    class Star(nn.Module):
+        def forward(self, *zs):
+            return zs[0]
+
+    with pytest.raises(Unsupported, match="positional inputs"):
+        trace(Star(), [torch.randn(2)])
+
+
+def test_a_trace_leaves_buffers_and_attributes_as_found():
+    G = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).train()
+    before = {k: b.clone() for k, b in G.state_dict().items()}
+    trace(G, [torch.randn(5, 3)])
+    assert all(torch.equal(before[k], b) for k, b in G.state_dict().items())
+    assert all(p.device.type == "cpu" for p in G.parameters())
+
+
+def test_shapes_are_fixed_by_the_trace():
+    class Reshape(nn.Module):
+        def forward(self, z):
+            return z.reshape(*z.shape[:-1], 2, 2)
+
+    traced = trace(Reshape(), [torch.randn(3, 4)])
+    assert "reshape(3, 2, 2)" in traced.code
