@@ -16,11 +16,11 @@ computed one block of queries at a time (all batch entries and heads together), 
 chosen by bytes: about :data:`BLOCK_BYTES` of scores. With ``is_causal`` a block reads only the
 keys its rows can see. Memory: O(block x T) for the scores plus the primal and tangent of the
 output. Time: four matrix products per block (S, P dV, the stacked
-:math:`[\dot Q, Q][K, \dot K]^\top` and :math:`(P \circ \dot S) [V, 1]`, whose last column is
-the row sums of :math:`P \circ \dot S`) on top of the fused primal. On the CPU, where SDPA takes
+:math:`[\dot Q, Q][K, \dot K]^\top` and :math:`(P \circ \dot S) V`) and a row sum of
+:math:`P \circ \dot S`, on top of the fused primal. On the CPU, where SDPA takes
 the flash kernel, the primal comes from that kernel called so that it also hands out each row's
-log-sum-exp, and a block's probabilities are :math:`\exp(S - \mathrm{lse})` (two passes over
-the block, not a softmax's five). Terms of inputs without a tangent are skipped (a frozen K and
+log-sum-exp, and a block's probabilities are :math:`\exp(S - \mathrm{lse})`, the shift the
+initial value of the product for S (one pass over the block, the exp, not a softmax's five). Terms of inputs without a tangent are skipped (a frozen K and
 V, as in cross-attention to a fixed context, costs two products less). On CUDA the primal is the
 flash or memory-efficient kernel that PyTorch picks; the tangent is the same code.
 
@@ -146,26 +146,24 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
         left = None if not parts else (parts[0] if len(parts) == 1 else _cat_last(parts))
     right = [t for t, d in ((k, dq), (dk, dk)) if d is not None]
     right = None if not right else (right[0] if len(right) == 1 else _cat_last(right))
-    # The kernel's log-sum-exp, +inf on a row that sees no key (so that its P is 0, never NaN).
-    shift = None if lse is None else lse.to(work).unsqueeze(-1).unsqueeze(-3).nan_to_num(
-        nan=math.inf, posinf=math.inf, neginf=math.inf)
+    # The kernel's log-sum-exp, +inf on a row that sees no key (so that its P is 0, never NaN), negated: S - lse
+    # is a product with -lse as its initial value (one pass over the block less than subtracting it after).
+    neg_shift = None if lse is None else lse.to(work).unsqueeze(-1).unsqueeze(-3).nan_to_num(
+        nan=math.inf, posinf=math.inf, neginf=math.inf).neg_()
     # P dV for all k tangents as one product: dV's k folded into its columns, (..., T, k E); one tangent: dV itself.
     dv_folded = None if dv is None else (dv.squeeze(-3) if size == 1 else dv.movedim(-3, -2).flatten(-2))
-    # (P o dS) [V, 1]: the row sums of P o dS come out of the product as its last column.
-    v_ones = _cat_last([v.squeeze(-3), v.new_ones(*v.shape[:-3], v.shape[-2], 1)]) if left is not None else None
+    v_flat = v.squeeze(-3)
     for start, step in _blocks(lq, lk, budget, is_causal, plan_only=q.is_meta):
         rows = slice(start, start + step)
         # Causal attention (top-left aligned) reads keys 0..row only: later keys are skipped.
         cols = slice(0, min(lk, rows.stop) if is_causal else lk)
-        s = q_scaled[..., rows, :] @ k[..., cols, :].mT  # (..., 1, rows, cols): once for all tangents
-        if shift is not None:
-            s.sub_(shift[..., rows, :])  # S - lse: exp of it is P
+        s = _scores(q_scaled[..., rows, :], k[..., cols, :], None if neg_shift is None else neg_shift[..., rows, :])
         if mask is not None:
             block = mask[..., rows, cols]
             s = s.masked_fill_(~block, float("-inf")) if block.dtype == torch.bool else s.add_(block)
         if is_causal and start + 1 < cols.stop:  # only the keys beyond the block's first row
             s[..., start + 1:cols.stop].masked_fill_(_later_keys(step, cols.stop - start - 1, q.device), float("-inf"))
-        p = s.exp_() if shift is not None else _safe_softmax_(s)  # in place: s becomes P
+        p = s.exp_() if neg_shift is not None else _safe_softmax_(s)  # in place: s becomes P
         del s
         d_o = None
         if dv_folded is not None:
@@ -173,13 +171,29 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
         if left is not None:
             p_ds = (left[..., rows, :] @ right[..., cols, :].mT).mul_(p)  # (..., k, rows, cols)
             del p
-            # (P o dS) [V, 1] with the k tangents stacked as rows: V is not copied k times.
-            pv = (p_ds.flatten(-3, -2) @ v_ones[..., cols, :]).unflatten(-2, (size, step))
+            # (P o dS) V with the k tangents stacked as rows: V is not copied k times; and the row sums of P o dS.
+            pv = (p_ds.flatten(-3, -2) @ v_flat[..., cols, :]).unflatten(-2, (size, step))
+            term = pv.sub_(p_ds.sum(dim=-1, keepdim=True) * o[..., rows, :])
             del p_ds
-            term = pv[..., :ev].sub_(pv[..., ev:] * o[..., rows, :])
             d_o = term if d_o is None else term.add_(d_o)
         tangent[..., rows, :] = d_o
     return _unbatch(tangent, batched).to(out.dtype)
+
+
+def _scores(q_scaled, k, neg_shift):
+    r"""A block of scores :math:`(\mathrm{scale}\,Q) K^\top`, minus the log-sum-exp where given (``neg_shift``: -lse).
+
+    Shape ``(..., 1, rows, cols)``, once for all tangents. The shift is the product's initial value
+    (``baddbmm``) where Q and K have the same batch dimensions; else it is added after.
+    """
+    if neg_shift is None:
+        return q_scaled @ k.mT
+    if q_scaled.shape[:-2] != k.shape[:-2]:
+        return (q_scaled @ k.mT).add_(neg_shift)
+    batch, rows, cols = q_scaled.shape[:-2], q_scaled.shape[-2], k.shape[-2]
+    s = torch.baddbmm(neg_shift.expand(*batch, rows, cols).reshape(-1, rows, cols), q_scaled.reshape(-1, rows, q_scaled.shape[-1]),
+                      k.reshape(-1, cols, k.shape[-1]).mT)
+    return s.reshape(*batch, rows, cols)
 
 
 def _later_keys(rows, keys, device):
