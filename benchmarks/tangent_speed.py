@@ -4,6 +4,8 @@ For each generator, in one process (float32, CPU; each ratio is the median over 
 of the ratio within one round, so that a shared machine's slow spells cancel):
 
 - ``plain_forward``: G(z) under no_grad (the unit);
+- ``two plain forwards``: G(z) twice, the floor of any tangent pass that computes the primal and a
+  tangent of the same cost;
 - ``mixed_grad``: mixedad, eager;
 - ``mixed_grad compiled``: ``mixed_grad(..., compile=True)`` after its first call (G's tangent
   program under ``torch.compile``; the first call's compile time, which includes the check against
@@ -93,7 +95,12 @@ def problems(quick):
 
 
 def point(name, G, z, y, v, with_jvp, with_hand, repeats, compile_hand):
-    fns = {"plain_forward": lambda: torch.no_grad()(G)(z),
+    def two_forwards():
+        with torch.no_grad():
+            G(z)
+            return G(z)
+
+    fns = {"plain_forward": lambda: torch.no_grad()(G)(z), "two plain forwards": two_forwards,
            "mixed_grad": lambda: mixedad.mixed_grad(objective, G, z, y, v)}
     compiled_seconds = None
     if name != "attention":  # no tangent program (attention has no rule): it would run eager
@@ -130,7 +137,8 @@ def point(name, G, z, y, v, with_jvp, with_hand, repeats, compile_hand):
     return row
 
 
-COLUMNS = ["mixed_grad", "mixed_grad compiled", "torch.func.jvp", "hand JVP", "hand JVP compiled"]
+COLUMNS = ["two plain forwards", "mixed_grad", "mixed_grad compiled", "torch.func.jvp", "hand JVP",
+           "hand JVP compiled"]
 
 
 def markdown(rows, meta):

@@ -34,11 +34,13 @@ from mixedad._programs.trace import Unsupported
 __all__ = ["CompiledTangent", "compiled_tangents", "push_compiled", "TOLERANCE"]
 
 #: Largest difference between the compiled and the eager tangent (and output), in the 2-norm
-#: relative to the eager one's, that the check accepts, by dtype. Compilers reorder sums, and where
-#: a ReLU's input lies within round-off of zero the two may take different sides of the kink at a
-#: few positions; a dropped or changed tangent term differs by far more.
-TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
-_REDUCED = 3e-2
+#: relative to the eager one's, that the check accepts, by dtype. Compilers reorder sums, and
+#: where a ReLU's input lies within round-off of zero the two take different sides of the kink.
+#: Some tangents are ill-conditioned in float32: through train-mode batch norm (the DCGAN of the
+#: speed benchmark) the eager pass itself is 4e-3 from float64 in this norm, and the compiled
+#: program 4.5e-3, 2.5e-3 apart. A dropped tangent differs by 1, a dropped term by its share.
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-2}
+_REDUCED = 1e-1
 
 
 @dataclasses.dataclass
@@ -53,7 +55,7 @@ class CompiledTangent:
         \lVert \dot g_{\text{compiled}} - \dot g_{\text{eager}} \rVert_2
             \le \tau \, \lVert \dot g_{\text{eager}} \rVert_2
 
-    with :math:`\tau` from :data:`TOLERANCE` by dtype (:math:`10^{-3}` in float32).
+    with :math:`\tau` from :data:`TOLERANCE` by dtype (:math:`2 \cdot 10^{-2}` in float32).
 
     Attributes:
         inputs: ``(shape, dtype)`` of each input of G.

@@ -34,6 +34,11 @@ class Emit:
     def call(self, fn, *args, **kwargs):
         return self.builder.graph.call_function(fn, args, kwargs)
 
+    def replace_primal(self, node):
+        """Compute the node's primal by ``node`` instead of G's own call (a call that hands out more)."""
+        self.builder.graph.erase_node(self.y)
+        self.y = self.builder.primal[self.node] = node
+
     def module_node(self):
         return self.builder.graph.get_attr(self.node.target)
 
@@ -241,6 +246,22 @@ def _where(e):
                   e.arg(2, "other"))
 
 
+def _attention(e):
+    """``F.scaled_dot_product_attention``: the kernel's primal and mixedad's blockwise tangent, as the eager rule."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    values = [e.arg(i, name, default) for i, (name, default) in
+              enumerate(zip(names, (None, None, None, None, 0.0, False, None, False)))]
+    if carries(e.targ(3, "attn_mask")) or any(carries(e.targ(i, names[i])) for i in range(4, 8)):
+        raise Unsupported("scaled_dot_product_attention with a mask or a setting that carries a tangent")
+    if not isinstance(values[4], (int, float)) or values[4] > 0:
+        raise Unsupported("scaled_dot_product_attention with dropout draws random numbers")
+    q, k, v, mask, _, is_causal, scale, gqa = values
+    pair = e.call(T.attention, q, k, v, e.targ(0, "query"), e.targ(1, "key"), e.targ(2, "value"), mask, is_causal,
+                  scale, gqa)
+    e.replace_primal(e.call(operator.getitem, pair, 0))
+    return e.call(operator.getitem, pair, 1)
+
+
 def _pad(e):
     mode = e.arg(2, "mode", "constant")
     return e.same_op_on_tangent(value=0.0) if mode == "constant" else e.same_op_on_tangent()
@@ -285,6 +306,7 @@ FUNCTIONS.update({
     torch.cat: _joined("cat"), torch.concat: _joined("cat"), torch.stack: _joined("stack"),
     torch.chunk: _tuple_valued, torch.split: _tuple_valued, torch.unbind: _tuple_valued,
     torch.where: _where, torch.detach: lambda e: None, getattr: _attribute,
+    F.scaled_dot_product_attention: _attention,
     torch.zeros_like: lambda e: None, torch.ones_like: lambda e: None, torch.full_like: lambda e: None,
     torch.empty_like: lambda e: None, F.pad: _pad, operator.pow: _power, torch.pow: _power,
     F.linear: _weighted(0), F.conv1d: _weighted(1), F.conv2d: _weighted(2), F.conv3d: _weighted(3),

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixedad._hooks.attention_backends import fused_attention_with_lse
+from mixedad.op_rules._attention import _rows_masked_by_large_numbers, blockwise_tangent
 from mixedad.op_rules._frozen_layers import _batch_statistics_tangent, _eval_scale
 
 _CONV_TRANSPOSE = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
@@ -74,6 +76,24 @@ def layer_norm(m, x, t):
     rows = x.numel() // inner if inner else 0
     out = _batch_statistics_tangent(x.reshape(1, rows, inner), t.reshape(1, rows, inner), None, m.eps)
     return _affine(out.reshape(x.shape), m.weight)
+
+
+def attention(q, k, v, dq, dk, dv, attn_mask, is_causal, scale, enable_gqa):
+    """``(out, tangent)`` of ``F.scaled_dot_product_attention`` without dropout: mixedad's attention rule.
+
+    The primal is the kernel SDPA takes (on the CPU, called so that it also hands out each row's
+    log-sum-exp), the tangent blockwise (:func:`mixedad.op_rules._attention.blockwise_tangent`).
+    """
+    fused = None
+    if not enable_gqa and not _rows_masked_by_large_numbers(attn_mask):
+        fused = fused_attention_with_lse(q, k, v, attn_mask, is_causal, scale)
+    if fused is None:
+        out, lse = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                                  enable_gqa=enable_gqa), None
+    else:
+        out, lse = fused
+    return out, blockwise_tangent(q, k, v, out, dq, dk, dv, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                  enable_gqa=enable_gqa, lse=lse)
 
 
 # Pointwise activations: (t, x, y, module or keyword values) -> tangent.

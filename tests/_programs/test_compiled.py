@@ -24,8 +24,7 @@ def _problem(G, batch=3, seed=0):
     return z, torch.randn(shape, dtype=D, generator=gen), torch.randn(z.shape, dtype=D, generator=gen)
 
 
-UNSUPPORTED = {"transformer_layer": "TransformerEncoderLayer", "transformer_sdpa": "scaled_dot_product_attention",
-               "stylegan2_ada": "custom torch.autograd.Function"}
+UNSUPPORTED = {"transformer_layer": "TransformerEncoderLayer", "stylegan2_ada": "custom torch.autograd.Function"}
 
 
 @pytest.mark.parametrize("name", sorted(mixedad.zoo.MEMBERS))

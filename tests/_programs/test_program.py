@@ -103,8 +103,7 @@ def test_pytree_outputs_integer_leaves_and_constant_leaves():
 def test_zoo_members_have_a_program_or_say_why_not(name, mode):
     G = mixedad.zoo.MEMBERS[name](dtype=torch.float64).train(mode == "train")
     z = torch.randn(*mixedad.zoo.latent_shape(G, 3), dtype=torch.float64)
-    unsupported = {"transformer_layer": "TransformerEncoderLayer", "transformer_sdpa": "scaled_dot_product_attention",
-                   "stylegan2_ada": "custom torch.autograd.Function"}
+    unsupported = {"transformer_layer": "TransformerEncoderLayer", "stylegan2_ada": "custom torch.autograd.Function"}
     if name in unsupported:
         with pytest.raises(Unsupported, match=unsupported[name]):
             write(G, [z])

@@ -79,6 +79,31 @@ FUNCTIONS = {
 }
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("mask", [None, "bool", "additive", "far_negative"])
+def test_attention(causal, mask):
+    torch.manual_seed(0)
+    T = 9
+    masks = {None: None, "bool": torch.rand(T, T) > 0.3, "additive": torch.randn(T, T, dtype=D),
+             "far_negative": torch.zeros(T, T, dtype=D).masked_fill_(torch.rand(T, T) > 0.5, torch.finfo(D).min)}
+    if masks[mask] is not None:
+        masks[mask][2] = False if mask == "bool" else float("-inf")  # a query row that sees no key
+    if causal and mask is not None:
+        pytest.skip("SDPA refuses is_causal with a mask")
+
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+            self.register_buffer("mask", masks[mask])
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).reshape(2, T, 3, 2, 4).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=causal)
+
+    assert_program_matches(Attend().to(D), torch.randn(2, T, 8, dtype=D))
+
+
 @pytest.mark.parametrize("name", sorted(FUNCTIONS))
 def test_function(name):
     torch.manual_seed(0)

@@ -55,6 +55,8 @@ REFUSED = {
     "dropout": (lambda self, z: F.dropout(self.linear(z), 0.5, training=True), "random"),
     "in_place_on_a_reused_tensor": (lambda self, z: torch.relu_(self.linear(z)) + z, "no tangent rule"),
     "no_rule": (lambda self, z: torch.cumsum(self.linear(z), 0), "cumsum"),
+    "attention_dropout": (lambda self, z: F.scaled_dot_product_attention(*(self.linear(z)[None, None],) * 3,
+                                                                         dropout_p=0.1), "dropout"),
 }
 
 
