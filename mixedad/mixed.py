@@ -10,7 +10,7 @@ from mixedad._hooks.pytree import tree_unflatten
 from mixedad.op_rules import UnderTransformError
 from mixedad._backend import contract_f_with_tangent, f_cotangent
 from mixedad._frontend.state import Snapshot
-from mixedad._entry import eager
+from mixedad._entry import eager, warn_once
 from mixedad._frontend.nesting import check_not_nested
 from mixedad._frontend.batched import push_tangents, push_under_vmap
 from mixedad._frontend.tangents import push_tangent
@@ -114,6 +114,10 @@ def _mixed_grad(call, f, G, z, y, v, create_graph, strategy, compile=False):
     G = eager(G)
     _checks.check_devices(call, G, zs, y_leaves, y_spec)
     pushed = push_under_vmap(call, G, zs, vs) if strategy != "reverse" and in_functorch_transform() else None
+    if pushed is not None and compile:
+        warn_once(("compile under vmap", call), f"mixedad: {call} with compile=True inside torch.func.vmap runs the "
+                                               f"batch of tangents eagerly, on the per-op rules; mixed_jacobian("
+                                               f"..., compile=True) compiles a batch of tangents.")
     if pushed is None:
         cotangent = f_cotangent(call, f, y_leaves, y_spec, create_graph=create_graph)
         pushed = push_tangent(call, G, zs, vs, strategy=strategy, cotangent=cotangent, compile=compile)

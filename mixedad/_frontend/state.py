@@ -91,7 +91,7 @@ class Snapshot:
             return
         self._seen.add(id(module))
         self.modules.append(module)
-        attributes = _plain_attributes(module)
+        attributes = plain_attributes(module)
         self.attributes.append((module, attributes))
         tensors = [(name, value, _TensorAttribute) for name, value in attributes.items() if isinstance(value, torch.Tensor)]
         for name, buf, kind in [*((n, b, _Buffer) for n, b in module.named_buffers(recurse=False)), *tensors]:
@@ -146,7 +146,7 @@ class Snapshot:
         """
         self.rng.restore()
         for module, attributes in self.attributes:
-            now = _plain_attributes(module)
+            now = plain_attributes(module)
             for name in now.keys() - attributes.keys():
                 del module.__dict__[name]  # made by a pass that is undone (a cache, a step count)
             module.__dict__.update((name, value) for name, value in attributes.items() if now.get(name) is not value)
@@ -217,7 +217,7 @@ class _TensorAttribute(_Buffer):
 _PLAIN = (bool, int, float, str, type(None), torch.Tensor)
 
 
-def _plain_attributes(module):
+def plain_attributes(module):
     """A module's public attributes of plain types (parameters, buffers and submodules live elsewhere)."""
     return {name: value for name, value in vars(module).items()
             if not name.startswith("_") and isinstance(value, _PLAIN)}

@@ -8,6 +8,9 @@ What this relies on in torch (pinned by ``tests/_hooks/test_meta_trace.py``):
   shapes; ``proxys_to_metas`` maps proxies in arguments to their meta values;
 - while tracing, ``MetaTracer._disable_module_getattr`` set to True makes module attributes read
   as they are (not as proxies);
+- ``MetaTracer.proxy(node)`` makes the tracer's proxies, and ``torch.fx.Proxy`` has no in-place
+  operators: ``x += y`` in traced code falls back to ``x = x + y``, which leaves an alias of x
+  unchanged where eager code changes it;
 - ``torch.nn.utils.stateless._reparametrize_module(module, state)`` swaps a module's parameters
   and buffers for the tensors of ``state`` inside a block, and puts them back after;
 - a custom ``torch.autograd.Function`` runs its forward below the frame of ``Function.apply`` in
@@ -22,7 +25,7 @@ import warnings
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.meta_tracer import MetaTracer, proxys_to_metas
+from torch.fx.experimental.meta_tracer import MetaProxy, MetaTracer, proxys_to_metas
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
@@ -75,9 +78,27 @@ def modes_active():
     return torch._C._is_torch_function_mode_enabled() or bool(torch._C._len_torch_dispatch_stack())
 
 
+class _Proxy(MetaProxy):
+    """The trace's proxies: an augmented assignment (``x += y``) calls ``before(trace, "in_place", name)``."""
+
+
+def _augmented(name):
+    def refuse(self, other):
+        self.tracer._before(self.tracer, "in_place", f"x {name}= ...")
+        return NotImplemented
+    return refuse
+
+
+for _op, _symbol in (("iadd", "+"), ("isub", "-"), ("imul", "*"), ("itruediv", "/"), ("ifloordiv", "//"),
+                     ("imod", "%"), ("ipow", "**"), ("imatmul", "@"), ("iand", "&"), ("ior", "|"), ("ixor", "^"),
+                     ("ilshift", "<<"), ("irshift", ">>")):
+    setattr(_Proxy, f"__{_op}__", _augmented(_symbol))
+
+
 class MetaTrace(MetaTracer):
-    """A meta-carrying trace. ``before(trace, kind, target)`` runs before each node is recorded, and
-    with kind "random" before each random draw of the traced code (a draw without proxies leaves no
+    """A meta-carrying trace. ``before(trace, kind, target)`` runs before each node is recorded, with
+    kind "in_place" at each augmented assignment (``x += y``), and with kind "random" before each
+    random draw of the traced code (a draw without proxies leaves no
     node: its value would become a constant of the graph); it may
     raise to refuse); leaf modules for which ``meta_modules(module)`` is true get a meta value by
     running their own ``forward`` on meta copies of their parameters and buffers (never G's own)."""
@@ -100,7 +121,11 @@ class MetaTrace(MetaTracer):
                 warnings.simplefilter("ignore")
                 return self.trace(root, meta_args)
         finally:
-            self.started = None
+            # Nothing of G's stays reachable from this tracer (torch may keep a reference to it).
+            self.started = self.root = self.meta_args = self._before = self._meta_modules = None
+
+    def proxy(self, node):
+        return _Proxy(node, self)
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **more):
         self._before(self, kind, target)

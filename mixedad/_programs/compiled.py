@@ -7,8 +7,8 @@ which modules G holds and their train/eval modes; the CPU's oneDNN switch), the 
    call runs eager, with a warning that names what has no rule;
 2. compiles it with ``torch.compile`` (a batch of tangents: ``torch.vmap`` of the program over its
    tangents, compiled), says so on standard error, and times it;
-3. runs it, then runs mixedad's eager pass from the same random state and buffers, and compares
-   every output and every tangent. A compiler that drops or changes a tangent (PyTorch's inductor
+3. runs mixedad's eager pass, then the compiled program from the same random state and buffers,
+   and compares every output and every tangent (G's state then ends as the eager pass left it). A compiler that drops or changes a tangent (PyTorch's inductor
    has: pytorch#187284, #192985) fails this check: the key runs eager from then on, with a warning.
    The first call returns the eager pass's numbers.
 
@@ -107,9 +107,26 @@ def compiled_tangents(G: nn.Module) -> List[CompiledTangent]:
     return list(_CACHE.get(G, {}).values())
 
 
+_SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _fingerprint(value):
+    """A module attribute as the key sees it: simple values by value, anything else by identity."""
+    if isinstance(value, _SIMPLE):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _SIMPLE) for v in value):
+        return tuple(value)
+    return ("id", id(value))
+
+
 def _key(G, zs, vs, batch):
+    """What a program is written for: the inputs' layouts, and G's modules with their modes, tensors and
+    attributes (a program reads hyperparameters, replaced tensors and functions as they were written)."""
     tensors = tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in (*zs, *vs))
-    modules = tuple((id(m), m.training) for m in G.modules())
+    modules = tuple((id(m), m.training, tuple((n, id(t)) for n, t in m._parameters.items()),
+                     tuple((n, id(t)) for n, t in m._buffers.items()),
+                     tuple((n, _fingerprint(v)) for n, v in vars(m).items() if not n.startswith("_")))
+                    for m in G.modules())
     return batch, tensors, modules, torch.backends.mkldnn.enabled
 
 
@@ -128,12 +145,20 @@ def _refusal(G, zs, vs):
     return None
 
 
-def _differs(compiled, eager):
+def _rms(t):
+    return t.detach().double().norm().item() / max(t.numel(), 1) ** 0.5
+
+
+def _differs(compiled, eager, inputs):
     """The largest relative difference (2-norm) over matching leaves, or inf where they do not match.
 
     A tangent that is None (an output that is no floating-point tensor) matches None or zeros.
+    Leaves whose root mean square both lie below the round-off of the ``inputs``' (their square
+    root of epsilon times the inputs' root mean square: a tangent that is zero in exact arithmetic,
+    as the tangent of ones through a batch norm over the batch) match.
     """
     worst = 0.0
+    floor = max((_rms(t) for t in inputs), default=0.0)
     for a, b in zip(compiled, eager, strict=True):
         if a is None or b is None:
             other = b if a is None else a
@@ -152,6 +177,8 @@ def _differs(compiled, eager):
             continue
         if not b.numel():
             continue
+        if max(_rms(a), _rms(b)) <= torch.finfo(b.dtype).eps ** 0.5 * floor:
+            continue  # both are round-off
         a64, b64 = a.detach().double(), b.detach().double()
         relative = ((a64 - b64).norm() / b64.norm().clamp_min(torch.finfo(torch.float64).tiny)).item()
         if relative != relative:  # NaN
@@ -213,12 +240,21 @@ def _describe_inputs_of(entry):
 
 
 def _first_call(call, G, zs, vs, eager_push, entry, batch):
-    snapshot = Snapshot(G, call=call)
+    """Write, run eager, compile and run compiled from the same state, compare; G's state ends as eager left it."""
     try:
         entry.program = write(G, zs)
     except Unsupported as error:
         _fall_back(call, G, entry, f"no tangent program ({error})")
         return eager_push()
+    before = Snapshot(G, call=call)
+    try:
+        g_leaves, tangent_leaves, spec = eager_push()
+    except Exception as error:
+        entry.reason = f"the eager pass it is checked against raised {type(error).__name__}"
+        raise
+    entry.spec = spec
+    after = Snapshot(G, call=call)  # the random state and buffers one forward leaves
+    before.restore()
     print(f"mixedad: compiling the tangent program of {type(G).__name__} for inputs {_describe_inputs(zs)}"
           f"{f' and {batch} tangents' if batch else ''} (once per G, shapes and dtypes) ...", file=sys.stderr,
           flush=True)
@@ -228,21 +264,14 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch):
         with torch.no_grad():
             primals, tangents = run(*zs, *vs)
     except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
-        snapshot.restore()
-        _fall_back(call, G, entry, f"torch.compile failed ({type(error).__name__}: {str(error).splitlines()[0][:300]})")
-        return eager_push()
+        _fall_back(call, G, entry, _blame(entry, batch, zs, vs, error, before))
+        after.restore()
+        return g_leaves, tangent_leaves, spec
     entry.compile_seconds = time.perf_counter() - start
-    snapshot.restore()
-    try:
-        g_leaves, tangent_leaves, spec = eager_push()
-    except Exception as error:
-        entry.reason = f"the eager pass it is checked against raised {type(error).__name__}"
-        raise
-    entry.spec = spec
-    difference = max(_differs(list(primals), g_leaves), _differs(list(tangents), tangent_leaves))
+    after.restore()
+    difference = max(_differs(list(primals), g_leaves, zs), _differs(list(tangents), tangent_leaves, vs))
     entry.difference = difference
-    dtype = zs[0].dtype
-    tolerance = TOLERANCE.get(dtype, _REDUCED)
+    tolerance = TOLERANCE.get(zs[0].dtype, _REDUCED)
     if not difference <= tolerance:
         _fall_back(call, G, entry, f"the compiled tangent differs from the eager pass (largest relative "
                                    f"difference {difference:.3g}, tolerance {tolerance:g}): a compiler bug")
@@ -251,3 +280,19 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch):
         print(f"mixedad: compiled in {entry.compile_seconds:.1f} s; matches the eager pass (largest relative "
               f"difference {difference:.1e}).", file=sys.stderr, flush=True)
     return g_leaves, tangent_leaves, spec
+
+
+def _blame(entry, batch, zs, vs, error, before):
+    """Why a compiled first run raised: mixedad's program itself (run eagerly), or the compiler."""
+    first_line = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+    program = entry.program.module
+    if batch:
+        program = torch.vmap(program, in_dims=(None,) * len(zs) + (0,) * len(zs), out_dims=(None, 0))
+    before.restore()
+    try:
+        with torch.no_grad():
+            program(*zs, *vs)
+    except Exception as own:  # noqa: BLE001 - the program fails without the compiler too
+        return (f"mixedad's tangent program fails on these inputs ({type(own).__name__}: "
+                f"{str(own).strip().splitlines()[0][:300] if str(own).strip() else ''}); please report it with G's code")
+    return f"torch.compile failed ({first_line})"

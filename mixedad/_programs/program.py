@@ -8,13 +8,13 @@ rules of :mod:`mixedad._programs.rules`. The program takes ``(*zs, *vs)`` and re
 use, so the program holds what a forward pass holding primal and tangent holds.
 """
 import torch.fx as fx
-from torch import nn
 from torch.fx.node import map_aggregate, map_arg
 from mixedad._hooks.pytree import tree_flatten
 
 from mixedad._hooks.meta_trace import DTYPE
 from mixedad._programs import tangents as T
-from mixedad._programs.rules import FUNCTIONS, METHODS, MODULES, NOT_TENSORS, RANDOM, Emit, Missing, carries, describe
+from mixedad._programs.rules import (FUNCTIONS, METHODS, MODULES, NOT_TENSORS, Emit, Missing, carries, describe, draws,
+                                     writes_in_place)
 from mixedad._programs.trace import Unsupported, trace
 
 __all__ = ["Program", "write"]
@@ -28,13 +28,6 @@ class Program:
 
     def __call__(self, *args):
         return self.module(*args)
-
-
-def _draws(module):
-    """Whether a called module draws random numbers (dropout, RReLU in training mode)."""
-    if isinstance(module, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)):
-        return module.training and module.p > 0
-    return isinstance(module, nn.RReLU) and module.training
 
 
 def _has_tangent(node):
@@ -69,8 +62,11 @@ class _Builder:
         tkwargs = map_aggregate(node.kwargs, self._tangent_of)
         carried = carries(targs) or carries(tkwargs)
         module = self.traced.get_submodule(node.target) if node.op == "call_module" else None
-        if node.op == "call_function" and node.target in RANDOM or _draws(module):
+        if draws(node, module):
             raise Unsupported(f"{describe(node)} draws random numbers, which a compiled program would draw otherwise")
+        if writes_in_place(node):
+            raise Unsupported(f"{describe(node)} ({node.name}) writes in place into a tensor, which a program does "
+                              f"not follow")
         y = self.copy(node)
         self.primal[node] = y
         if not carried or not _has_tangent(node):
@@ -98,7 +94,13 @@ class _Builder:
             return
         args = map_arg(node.args, lambda n: self.primal[n])
         kwargs = map_arg(node.kwargs, lambda n: self.primal[n])
-        tangent = rule(Emit(self, node, y, args, kwargs, targs, tkwargs, module))
+        try:
+            tangent = rule(Emit(self, node, y, args, kwargs, targs, tkwargs, module))
+        except Unsupported:
+            raise
+        except Exception as error:  # noqa: BLE001 - a call the rule did not foresee: no program, never a crash
+            raise Unsupported(f"{describe(node)} ({node.name}) called in a form its rule does not take "
+                              f"({type(error).__name__}: {error})") from error
         if tangent is not None:
             self.tangent[node] = tangent
 

@@ -16,7 +16,7 @@ from torch import nn
 from mixedad._programs import tangents as T
 from mixedad._programs.trace import Unsupported
 
-__all__ = ["MODULES", "FUNCTIONS", "METHODS", "NOT_TENSORS", "RANDOM", "Emit", "Missing", "carries"]
+__all__ = ["MODULES", "FUNCTIONS", "METHODS", "NOT_TENSORS", "Emit", "Missing", "carries", "draws", "writes_in_place"]
 
 
 class Emit:
@@ -42,6 +42,10 @@ class Emit:
     def module_node(self):
         return self.builder.graph.get_attr(self.node.target)
 
+    def input(self):
+        """The primal of the op's input: its first argument, or the keyword ``input``."""
+        return self.args[0] if self.args else self.kwargs["input"]
+
     def arg(self, i, name, default=None):
         """The primal argument at position i or keyword name."""
         if i < len(self.args):
@@ -56,7 +60,8 @@ class Emit:
 
     def only_first(self):
         """The tangent of the first argument, refusing ops where another argument carries one."""
-        rest = [t for t in list(self.targs[1:]) + list(self.tkwargs.values()) if carries(t)]
+        rest = [t for name, t in [*enumerate(self.targs[1:]), *self.tkwargs.items()]
+                if carries(t) and not (name == "input" and not self.targs)]
         if rest:
             raise Unsupported(f"{describe(self.node)} with a tangent in an argument other than its input")
         return self.targs[0] if self.targs else self.tkwargs.get("input")
@@ -69,8 +74,9 @@ class Emit:
         kwargs = dict(self.kwargs, **replace)
         if not self.targs:
             kwargs["input"] = t
-        if node.op == "call_method":
-            return self.builder.graph.call_method(node.target, args, kwargs)
+        if node.op == "call_method":  # a tangent may be a broadcast view, which view() refuses: reshape is view's
+            name = _TANGENT_METHOD.get(node.target, node.target)  # value wherever view works
+            return self.builder.graph.call_method(name, args, kwargs)
         if node.op == "call_module":
             return self.builder.graph.call_module(node.target, args, kwargs)
         return self.builder.graph.call_function(node.target, args, kwargs)
@@ -81,6 +87,9 @@ class Missing:
 
     def __init__(self, reason):
         self.reason = reason
+
+
+_TANGENT_METHOD = {"view": "reshape", "view_as": "reshape_as"}
 
 
 def carries(t):
@@ -118,7 +127,7 @@ def _batch_norm_module(e):
     m = e.module
     t = e.only_first()
     if m.training or m.running_mean is None or m.running_var is None:
-        return e.call(T.batch_norm_train, e.module_node(), e.args[0], t)
+        return e.call(T.batch_norm_train, e.module_node(), e.input(), t)
     return e.call(T.batch_norm_eval, e.module_node(), t)
 
 
@@ -126,15 +135,30 @@ def _instance_norm_module(e):
     m = e.module
     if m.track_running_stats and not m.training:
         raise Unsupported(f"{describe(e.node)}: instance norm with running statistics in eval mode")
-    return e.call(T.instance_norm, e.module_node(), e.args[0], e.only_first())
+    return e.call(T.instance_norm, e.module_node(), e.input(), e.only_first())
+
+
+#: Pointwise tangents that read the op's input x, not only its output y: an op that overwrote x
+#: in place (``inplace=True``) leaves them without it.
+_READS_INPUT = {T.gelu, T.silu, T.elu, T.softplus, T.absolute, T.power}
+
+
+def _in_place_check(e, fn, values, inplace):
+    """Refuse an in-place activation whose input is used again, or whose tangent needs the overwritten input."""
+    if not inplace:
+        return
+    node_input = e.node.args[0] if e.node.args else e.node.kwargs.get("input")
+    if isinstance(node_input, fx.Node) and len(node_input.users) > 1:
+        raise Unsupported(f"{describe(e.node)} writes in place into a tensor that is used again")
+    if fn in _READS_INPUT or (fn is T.leaky_relu and values["negative_slope"] < 0):
+        raise Unsupported(f"{describe(e.node)} in place: its tangent needs the input the activation overwrites")
 
 
 def _pointwise_module(fn, params):
     def rule(e):
-        if getattr(e.module, "inplace", False) and len(e.node.args[0].users) > 1:
-            raise Unsupported(f"{describe(e.node)} writes in place into a tensor that is used again")
         values = {name: getattr(e.module, name) for name in params}
-        return e.call(fn, e.only_first(), e.args[0], e.y, values)
+        _in_place_check(e, fn, values, getattr(e.module, "inplace", False))
+        return e.call(fn, e.only_first(), e.input(), e.y, values)
     return rule
 
 
@@ -155,8 +179,8 @@ for _type in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
     MODULES[_type] = _batch_norm_module
 for _type in (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d):
     MODULES[_type] = _instance_norm_module
-MODULES[nn.GroupNorm] = lambda e: e.call(T.group_norm, e.module_node(), e.args[0], e.only_first())
-MODULES[nn.LayerNorm] = lambda e: e.call(T.layer_norm, e.module_node(), e.args[0], e.only_first())
+MODULES[nn.GroupNorm] = lambda e: e.call(T.group_norm, e.module_node(), e.input(), e.only_first())
+MODULES[nn.LayerNorm] = lambda e: e.call(T.layer_norm, e.module_node(), e.input(), e.only_first())
 MODULES.update({
     nn.ReLU: _pointwise_module(T.relu, ()),
     nn.LeakyReLU: _pointwise_module(T.leaky_relu, ("negative_slope",)),
@@ -179,15 +203,16 @@ for _type in (nn.Flatten, nn.Unflatten, nn.Upsample, nn.UpsamplingNearest2d, nn.
 
 # --- functions and methods ----------------------------------------------------------------------
 
-def _pointwise_function(fn, defaults):
-    """A functional activation ``f(input, *params)``; ``defaults`` name its parameters in order."""
+def _pointwise_function(fn, defaults, inplace_at=None):
+    """A functional activation ``f(input, *params)``; ``defaults`` name its parameters in order, and
+    ``inplace_at`` is the position of its ``inplace`` argument (after them, if None)."""
     def rule(e):
         values = {}
         for i, (name, default) in enumerate(defaults, start=1):
             values[name] = e.arg(i, name, default)
-        if e.arg(len(defaults) + 1, "inplace", False) and len(e.node.args[0].users) > 1:
-            raise Unsupported(f"{describe(e.node)} writes in place into a tensor that is used again")
-        return e.call(fn, e.only_first(), e.args[0] if e.args else e.kwargs["input"], e.y, values)
+        inplace = e.arg(len(defaults) + 1 if inplace_at is None else inplace_at, "inplace", False)
+        _in_place_check(e, fn, values, inplace)
+        return e.call(fn, e.only_first(), e.input(), e.y, values)
     return rule
 
 
@@ -288,8 +313,44 @@ def _weighted(spatial):
 
 #: Ops that draw random numbers: a compiled program need not draw them as eager code does.
 RANDOM = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
-          torch.bernoulli, torch.multinomial, torch.normal, torch.randperm, torch.poisson, F.dropout,
-          F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, F.rrelu}
+          torch.bernoulli, torch.multinomial, torch.normal, torch.randperm, torch.poisson, F.rrelu}
+#: Dropout functions ``f(input, p=0.5, training=..., inplace=False)``: random only in training with p > 0.
+DROPOUTS = {F.dropout: True, F.dropout1d: True, F.dropout2d: True, F.dropout3d: True, F.alpha_dropout: False,
+            F.feature_alpha_dropout: False}  # function: its default for training
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+#: In-place operators (``x += y``, ``x[i] = y``): a program refuses them (a write into a tensor of G's).
+IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
+            operator.imod, operator.iand, operator.ior, operator.ixor, operator.imatmul, operator.setitem}
+
+
+def draws(node, module):
+    """Whether a node of G's graph draws random numbers (a compiled program would draw others)."""
+    if module is not None:
+        if isinstance(module, _DROPOUT_MODULES):
+            return module.training and module.p > 0
+        return isinstance(module, nn.RReLU) and module.training
+    if node.op == "call_method":
+        return node.target in ("normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_",
+                               "cauchy_", "log_normal_", "bernoulli", "multinomial")
+    if node.op != "call_function":
+        return False
+    if node.target in DROPOUTS:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", DROPOUTS[node.target])
+        return training is not False and not (isinstance(p, (int, float)) and p == 0)
+    return node.target in RANDOM
+
+
+def writes_in_place(node):
+    """Whether a node of G's graph writes into a tensor (an in-place method, ``x += y``, ``x[i] = y``);
+    in-place activations (``inplace=True``) are their rules' to judge."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("__")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return node.target in IN_PLACE or (name.endswith("_") and not name.startswith("_")
+                                           and getattr(node.target, "__module__", "") in ("torch", None))
+    return False
 
 _LINEAR_FUNCTIONS = (torch.flatten, torch.reshape, torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze,
                      torch.roll, torch.flip, torch.narrow, torch.movedim, torch.swapaxes, torch.sum, torch.mean,
@@ -307,6 +368,7 @@ FUNCTIONS.update({
     torch.chunk: _tuple_valued, torch.split: _tuple_valued, torch.unbind: _tuple_valued,
     torch.where: _where, torch.detach: lambda e: None, getattr: _attribute,
     F.scaled_dot_product_attention: _attention,
+    **{fn: lambda e: e.only_first() for fn in DROPOUTS},  # not training (draws() refused the others)
     torch.zeros_like: lambda e: None, torch.ones_like: lambda e: None, torch.full_like: lambda e: None,
     torch.empty_like: lambda e: None, F.pad: _pad, operator.pow: _power, torch.pow: _power,
     F.linear: _weighted(0), F.conv1d: _weighted(1), F.conv2d: _weighted(2), F.conv3d: _weighted(3),
@@ -315,7 +377,7 @@ FUNCTIONS.update({
     torch.tanh: _pointwise_function(T.tanh, ()), F.tanh: _pointwise_function(T.tanh, ()),
     torch.sigmoid: _pointwise_function(T.sigmoid, ()), F.sigmoid: _pointwise_function(T.sigmoid, ()),
     F.leaky_relu: _pointwise_function(T.leaky_relu, (("negative_slope", 0.01),)),
-    F.gelu: lambda e: e.call(T.gelu, e.only_first(), e.args[0], e.y, {"approximate": e.kwargs.get("approximate", "none")}),
+    F.gelu: _pointwise_function(T.gelu, (("approximate", "none"),)),
     F.silu: _pointwise_function(T.silu, ()),
     F.elu: _pointwise_function(T.elu, (("alpha", 1.0),)),
     F.softplus: _pointwise_function(T.softplus, (("beta", 1.0), ("threshold", 20.0))),

@@ -56,7 +56,9 @@ def batch_norm_train(m, x, t):
 
 
 def instance_norm(m, x, t):
-    """Instance norm over each sample's own statistics: a batch norm of N*C channels."""
+    """Instance norm over each sample's own statistics: a batch norm of N*C channels (C without a batch)."""
+    if x.dim() == m._get_no_batch_dim():  # unbatched: (C, L...)
+        return instance_norm(m, x.unsqueeze(0), t.unsqueeze(0)).squeeze(0)
     n, c = x.shape[0], x.shape[1]
     out = _batch_statistics_tangent(x.reshape(1, n * c, -1), t.reshape(1, n * c, -1), None, m.eps).reshape(x.shape)
     return _affine(out, None if m.weight is None else m.weight.reshape(-1, *([1] * (x.dim() - 2))))

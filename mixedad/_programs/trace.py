@@ -15,6 +15,8 @@ computes:
 - custom ``torch.autograd.Function``\\ s (a trace sees their forward, never their backward, which
   is the meaning);
 - hooks on any module, or in the process (a trace never runs them);
+- a forward that sets its own attributes (``self.calls += 1``, a cache): the trace runs it once;
+- in-place writes into tensors and random draws (:mod:`mixedad._programs.rules`);
 - a G that is not an ``nn.Module``, data-dependent control flow, or any other failure of the trace.
 """
 import inspect
@@ -23,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from mixedad._frontend.state import plain_attributes
 from mixedad._hooks.meta_trace import MetaTrace, inside_function_apply
 from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.sequential import forward_hooks
@@ -38,6 +41,9 @@ def _before_each_node(tracer, kind, target):
     """Refuse what the graph would not show (the module docstring)."""
     if inside_function_apply(since=tracer.started):
         raise Unsupported("G calls a custom torch.autograd.Function, whose backward a trace cannot see")
+    if kind == "in_place":
+        raise Unsupported(f"G writes in place with an augmented assignment ({target}), which a trace records as a "
+                          f"new tensor (an alias of the old one would keep its value)")
     if kind == "random":
         raise Unsupported(f"G draws random numbers ({target}), which a compiled program would draw otherwise")
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
@@ -54,6 +60,20 @@ def _hooks(G):
         if "forward" in vars(m):
             return f"module {name or type(G).__name__} has its forward replaced on the instance"
     return None
+
+
+def _attributes_written(snapshot):
+    """The first plain attribute of G's modules that the trace set or replaced (``module.name``), or None."""
+    for module, before in snapshot.attributes:
+        now = plain_attributes(module)
+        for name in set(before) | set(now):
+            old, new = before.get(name, _ABSENT), now.get(name, _ABSENT)
+            if old is not new and not (type(old) is type(new) and not isinstance(old, torch.Tensor) and old == new):
+                return f"{type(module).__name__}.{name}"
+    return None
+
+
+_ABSENT = object()
 
 
 def trace(G, zs):
@@ -78,6 +98,10 @@ def trace(G, zs):
     try:
         with torch.enable_grad(), torch.inference_mode(False):
             graph = MetaTrace(_before_each_node, lambda m: type(m) in MODULES).run(G, meta)
+        written = _attributes_written(snapshot)
+        if written:
+            raise Unsupported(f"G's forward sets the attribute {written} (a counter, a cache), which a program, "
+                              f"written once, would not set again")
     except Unsupported:
         raise
     except Exception as error:  # a trace fails in many ways: data-dependent control flow, iteration, ...

@@ -3,6 +3,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mixedad
@@ -163,3 +164,156 @@ def test_bad_arguments_and_what_runs_eager():
     hooked[0].register_forward_hook(lambda *a: None)
     with pytest.warns(RuntimeWarning, match="hooks"):
         mixedad.mixed_grad(f, hooked, z, y, v, compile=True)
+
+
+class _Truncated(nn.Module):
+    """A custom module whose forward reads plain attributes, a parameter, a buffer and a function it holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.act = nn.LeakyReLU(0.1)
+        self.psi = 0.7
+        self.scale = nn.Parameter(torch.ones(8))
+        self.register_buffer("shift", torch.zeros(8))
+        self.fn = torch.tanh
+
+    def forward(self, z):
+        return self.fn(self.act(self.linear(z)) * self.psi * self.scale + self.shift)
+
+
+@pytest.mark.parametrize("change", ["attribute", "layer_setting", "parameter", "buffer", "function", "weights"])
+def test_a_program_follows_what_g_holds_after_a_change(change):
+    G = _Truncated().to(D)
+    z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D))
+    mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    with torch.no_grad():
+        if change == "attribute":
+            G.psi = 0.3
+        elif change == "layer_setting":
+            G.act.negative_slope = 0.9
+        elif change == "parameter":
+            G.scale = nn.Parameter(torch.full((8,), 2.0, dtype=D))
+        elif change == "buffer":
+            G.shift = torch.full((8,), 0.5, dtype=D)
+        elif change == "function":
+            G.fn = torch.sigmoid
+        else:
+            G.linear.weight.mul_(3)
+    out = mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    reference = double_backward_mixed_grad(f, G, z, y, v)
+    assert (out - reference).abs().max() <= 1e-9 * reference.abs().max()
+    assert len(mixedad.compiled_tangents(G)) == (1 if change == "weights" else 2)
+
+
+class _Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, z):
+        self.calls += 1
+        return self.linear(z)
+
+
+def test_a_forward_that_sets_its_attributes_runs_eager_and_counts():
+    G = _Counter().to(D)
+    z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D))
+    with pytest.warns(RuntimeWarning, match="sets the attribute _Counter.calls"):
+        mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    assert G.calls == 2  # one per call, as a plain forward counts
+
+
+class _InPlace(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.linear = kind, nn.Linear(8, 8)
+        self.elu = nn.ELU(inplace=True)
+
+    def forward(self, z):
+        h = self.linear(z)
+        if self.kind == "elu":
+            return self.elu(h * 1)
+        if self.kind == "view":
+            h[:, 0].zero_()
+            return h * 2
+        h += 1.0
+        return h
+
+
+@pytest.mark.parametrize("kind", ["elu", "view", "iadd"])
+def test_in_place_writes_run_eager(kind):
+    G = _InPlace(kind).to(D)
+    z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D))
+    with pytest.warns(RuntimeWarning, match="in place"):
+        out = mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    assert torch.equal(out, mixedad.mixed_grad(f, G, z, y, v))
+
+
+def test_a_tangent_that_is_zero_in_exact_arithmetic_is_no_compiler_bug():
+    G = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).to(D).train()  # ones: BN removes them
+    z = torch.randn(5, 8, dtype=D)
+    G[0].weight.data.fill_(0.1)
+    y = torch.randn(5, 3, dtype=D)
+    mixedad.mixed_grad(f, G, z, y, compile=True)
+    [entry] = mixedad.compiled_tangents(G)
+    assert entry.status == "compiled", entry.reason
+
+
+def test_keyword_inputs_unbatched_instance_norm_and_broadcast_tangents():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.inorm, self.linear = nn.LayerNorm(8), nn.InstanceNorm1d(4, affine=True), nn.Linear(8, 8)
+            self.offset = nn.Parameter(torch.randn(5, 8))
+
+        def forward(self, z):
+            h = self.norm(input=self.linear(z))
+            u = self.inorm(h.reshape(4, -1)).view(-1)
+            broadcast = (z[:1] + self.offset).view(40)  # its tangent is z's, expanded: view() refuses that
+            return F.gelu(input=h) + broadcast.reshape(5, 8) + u.sum()
+
+    G = Odd().to(D)
+    z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D), batch=5)
+    out = mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    [entry] = mixedad.compiled_tangents(G)
+    assert entry.status == "compiled", entry.reason
+    reference = double_backward_mixed_grad(f, G, z, y, v)
+    assert (out - reference).abs().max() <= 1e-9 * reference.abs().max()
+
+
+def test_eval_dropout_functions_compile_and_method_draws_run_eager():
+    class Drops(nn.Module):
+        def __init__(self, draw):
+            super().__init__()
+            self.linear, self.draw = nn.Linear(8, 8), draw
+
+        def forward(self, z):
+            h = F.dropout(self.linear(z), 0.5, training=False)
+            return h + torch.empty_like(h).normal_() if self.draw else h
+
+    z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D))
+    G = Drops(False).to(D)
+    mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    assert mixedad.compiled_tangents(G)[0].status == "compiled"
+    G = Drops(True).to(D)
+    with pytest.warns(RuntimeWarning, match="random"):
+        mixedad.mixed_grad(f, G, z, y, v, compile=True)
+
+
+def test_a_dtype_error_is_the_users_not_a_compile_warning():
+    G = mixedad.zoo.mlp(2, 8, dtype=D)
+    z, y, v = _problem(G)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(RuntimeError, match="dtype|Double|Float"):
+            mixedad.mixed_grad(f, G, z.float(), y, v.float(), compile=True)
+
+
+def test_compile_under_vmap_says_it_runs_eager():
+    G = _mlp()
+    z, y, _ = _problem(G)
+    with pytest.warns(RuntimeWarning, match="inside torch.func.vmap"):
+        torch.func.vmap(lambda v: mixedad.mixed_grad(f, G, z, y, v, compile=True))(torch.randn(3, *z.shape, dtype=D))

@@ -44,7 +44,15 @@ def _values_read(self, z):
     return self.linear(z) if z.sum() > 0 else -z
 
 
+def _alias_written(self, z):
+    h = self.linear(z)
+    alias = h
+    alias += 1  # changes h in eager code; a trace would record a new tensor and leave h alone
+    return h * 2
+
+
 REFUSED = {
+    "augmented_assignment_on_an_alias": (_alias_written, "augmented assignment"),
     "no_grad": (_no_grad_block, "grad mode"),
     "autocast": (_autocast_block, "autocast"),
     "custom_function": (lambda self, z: _Clip.apply(self.linear(z)), "custom torch.autograd.Function"),
@@ -53,7 +61,7 @@ REFUSED = {
     "noise_from_a_generator": (lambda self, z: self.linear(z) + torch.randn(z.shape, generator=torch.Generator()),
                                "random"),
     "dropout": (lambda self, z: F.dropout(self.linear(z), 0.5, training=True), "random"),
-    "in_place_on_a_reused_tensor": (lambda self, z: torch.relu_(self.linear(z)) + z, "no tangent rule"),
+    "in_place_on_a_reused_tensor": (lambda self, z: torch.relu_(self.linear(z)) + z, "in place"),
     "no_rule": (lambda self, z: torch.cumsum(self.linear(z), 0), "cumsum"),
     "attention_dropout": (lambda self, z: F.scaled_dot_product_attention(*(self.linear(z)[None, None],) * 3,
                                                                          dropout_p=0.1), "dropout"),
@@ -116,3 +124,15 @@ def test_shapes_are_fixed_by_the_trace():
 
     traced = trace(Reshape(), [torch.randn(3, 4)])
     assert "reshape(3, 2, 2)" in traced.code
+
+
+def test_a_program_does_not_keep_g_alive():
+    import gc
+    import weakref
+
+    G = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    program = write(G, [torch.randn(2, 3)])
+    ref = weakref.ref(G)
+    del G, program
+    gc.collect()
+    assert ref() is None
