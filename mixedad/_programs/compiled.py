@@ -116,18 +116,21 @@ def _fingerprint(value):
         return value
     if isinstance(value, (tuple, list)) and all(isinstance(v, _SIMPLE) for v in value):
         return tuple(value)
-    return ("id", id(value))
+    return id(value), type(value)
+
+
+def _module_key(m):
+    attributes = m.__dict__
+    return (id(m), m.training, *[id(t) for t in attributes["_parameters"].values()], None,
+            *[id(t) for t in attributes["_buffers"].values()], None,
+            *[(n, _fingerprint(v)) for n, v in attributes.items() if n[0] != "_"])
 
 
 def _key(G, zs, vs, batch):
     """What a program is written for: the inputs' layouts, and G's modules with their modes, tensors and
     attributes (a program reads hyperparameters, replaced tensors and functions as they were written)."""
-    tensors = tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in (*zs, *vs))
-    modules = tuple((id(m), m.training, tuple((n, id(t)) for n, t in m._parameters.items()),
-                     tuple((n, id(t)) for n, t in m._buffers.items()),
-                     tuple((n, _fingerprint(v)) for n, v in vars(m).items() if not n.startswith("_")))
-                    for m in G.modules())
-    return batch, tensors, modules, torch.backends.mkldnn.enabled
+    tensors = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (*zs, *vs))
+    return batch, tensors, tuple(map(_module_key, G.modules())), torch.backends.mkldnn.enabled
 
 
 def _refusal(G, zs, vs):
