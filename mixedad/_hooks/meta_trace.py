@@ -8,7 +8,8 @@ What this relies on in torch (pinned by ``tests/_hooks/test_meta_trace.py``):
   shapes; ``proxys_to_metas`` maps proxies in arguments to their meta values;
 - while tracing, ``MetaTracer._disable_module_getattr`` set to True makes module attributes read
   as they are (not as proxies);
-- ``MetaTracer.proxy(node)`` makes the tracer's proxies, and ``torch.fx.Proxy`` has no in-place
+- ``MetaTracer.proxy(node)`` makes the tracer's proxies (``MetaProxy``, which answers ``dim()``,
+  ``size()`` and ``shape`` from the meta value but not ``ndim`` or ``numel()``), and ``torch.fx.Proxy`` has no in-place
   operators: ``x += y`` in traced code falls back to ``x = x + y``, which leaves an alias of x
   unchanged where eager code changes it;
 - ``torch.nn.utils.stateless._reparametrize_module(module, state)`` swaps a module's parameters
@@ -79,7 +80,24 @@ def modes_active():
 
 
 class _Proxy(MetaProxy):
-    """The trace's proxies: an augmented assignment (``x += y``) calls ``before(trace, "in_place", name)``."""
+    """The trace's proxies: an augmented assignment (``x += y``) calls ``before(trace, "in_place", name)``;
+    ``ndim``, ``numel()`` and ``nelement()`` read the meta value, as ``dim()`` and ``shape`` do."""
+
+    def _meta(self):
+        meta = getattr(self, "_tensor_meta", None)
+        return meta if isinstance(meta, torch.Tensor) else None
+
+    @property
+    def ndim(self):
+        meta = self._meta()
+        return meta.dim() if meta is not None else self.tracer.create_proxy("call_function", getattr,
+                                                                             (self, "ndim"), {})
+
+    def numel(self):
+        meta = self._meta()
+        return meta.numel() if meta is not None else self.tracer.create_proxy("call_method", "numel", (self,), {})
+
+    nelement = numel
 
 
 def _augmented(name):
@@ -109,8 +127,9 @@ class MetaTrace(MetaTracer):
         self.started = None
         self._meta_run = False
 
-    def run(self, root, meta_args):
-        """The traced ``fx.Graph`` of ``root`` at the meta tensors ``meta_args`` (by parameter name).
+    def run(self, root, meta_args, concrete_args=None):
+        """The traced ``fx.Graph`` of ``root`` at the meta tensors ``meta_args`` (by parameter name), with
+        the values ``concrete_args`` (by name) fixed (``torch.fx``'s ``concrete_args``).
 
         :attr:`started` is the caller's frame meanwhile, for :func:`inside_function_apply`. Nodes
         without a meta value (an op with no meta kernel) are left without one, silently.
@@ -119,7 +138,7 @@ class MetaTrace(MetaTracer):
         try:
             with warnings.catch_warnings(), _Draws(self):  # MetaTracer warns for each node without a meta value
                 warnings.simplefilter("ignore")
-                return self.trace(root, meta_args)
+                return self.trace(root, meta_args, concrete_args)
         finally:
             # Nothing of G's stays reachable from this tracer (torch may keep a reference to it).
             self.started = self.root = self.meta_args = self._before = self._meta_modules = None

@@ -18,6 +18,7 @@ to eager with a warning too. :func:`compiled_tangents` lists what was compiled, 
 import dataclasses
 import sys
 import time
+import types
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -41,6 +42,9 @@ __all__ = ["CompiledTangent", "compiled_tangents", "push_compiled", "TOLERANCE"]
 #: program 4.5e-3, 2.5e-3 apart. A dropped tangent differs by 1, a dropped term by its share.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-2}
 _REDUCED = 1e-1
+#: Outputs and tangents whose root mean square lies below this many epsilons of the inputs' are
+#: round-off (zero in exact arithmetic), compared by that bound and not relative to themselves.
+ROUND_OFF = 1000
 
 
 @dataclasses.dataclass
@@ -107,15 +111,24 @@ def compiled_tangents(G: nn.Module) -> List[CompiledTangent]:
     return list(_CACHE.get(G, {}).values())
 
 
-_SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+#: Attributes every nn.Module has, held elsewhere in the key (tensors, submodules) or refused (hooks).
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
-def _fingerprint(value):
-    """A module attribute as the key sees it: simple values by value, anything else by identity."""
+def _fingerprint(value, depth=3):
+    """A value as the key sees it: simple values by value, containers and plain objects by their contents
+    (``depth`` levels down), tensors, modules and functions by identity."""
     if isinstance(value, _SIMPLE):
         return value
-    if isinstance(value, (tuple, list)) and all(isinstance(v, _SIMPLE) for v in value):
-        return tuple(value)
+    if depth and isinstance(value, (tuple, list)):
+        return type(value), tuple(_fingerprint(v, depth - 1) for v in value)
+    if depth and isinstance(value, dict):
+        return dict, tuple((k if isinstance(k, _SIMPLE) else id(k), _fingerprint(v, depth - 1))
+                           for k, v in value.items())
+    if (depth and not isinstance(value, (torch.Tensor, nn.Module, type, types.ModuleType)) and not callable(value)
+            and isinstance(getattr(value, "__dict__", None), dict)):
+        return type(value), _fingerprint(vars(value), depth - 1)  # a config object, a namespace
     return id(value), type(value)
 
 
@@ -123,14 +136,32 @@ def _module_key(m):
     attributes = m.__dict__
     return (id(m), m.training, *[id(t) for t in attributes["_parameters"].values()], None,
             *[id(t) for t in attributes["_buffers"].values()], None,
-            *[(n, _fingerprint(v)) for n, v in attributes.items() if n[0] != "_"])
+            *[(n, _fingerprint(v)) for n, v in attributes.items() if n not in _MODULE_INTERNALS])
+
+
+_GLOBALS: Dict[type, Any] = {}
+
+
+def _globals_key(G):
+    """The globals each of G's module classes' ``forward`` names (``SCALE`` in ``x * SCALE``), by value."""
+    key = []
+    for cls in {type(m) for m in G.modules()}:
+        names = _GLOBALS.get(cls)
+        if names is None:
+            forward = getattr(cls.forward, "__code__", None)
+            glob = getattr(cls.forward, "__globals__", {})
+            names = _GLOBALS[cls] = (glob, tuple(n for n in forward.co_names if n in glob) if forward else ())
+        glob, used = names
+        key.append((cls, tuple(_fingerprint(glob.get(n)) for n in used)))
+    return tuple(sorted(key, key=lambda item: id(item[0])))
 
 
 def _key(G, zs, vs, batch):
-    """What a program is written for: the inputs' layouts, and G's modules with their modes, tensors and
-    attributes (a program reads hyperparameters, replaced tensors and functions as they were written)."""
+    """What a program is written for: the inputs' layouts, G's modules with their modes, tensors and
+    attributes, and the globals their forwards name (a program reads such values as they were written)."""
     tensors = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (*zs, *vs))
-    return batch, tensors, tuple(map(_module_key, G.modules())), torch.backends.mkldnn.enabled
+    return (batch, tensors, tuple(map(_module_key, G.modules())), _globals_key(G),
+            torch.backends.mkldnn.enabled)
 
 
 def _refusal(G, zs, vs):
@@ -156,9 +187,9 @@ def _differs(compiled, eager, inputs):
     """The largest relative difference (2-norm) over matching leaves, or inf where they do not match.
 
     A tangent that is None (an output that is no floating-point tensor) matches None or zeros.
-    Leaves whose root mean square both lie below the round-off of the ``inputs``' (their square
-    root of epsilon times the inputs' root mean square: a tangent that is zero in exact arithmetic,
-    as the tangent of ones through a batch norm over the batch) match.
+    Leaves whose root mean square both lie below the round-off of the ``inputs``' (:data:`ROUND_OFF`
+    epsilons times the inputs' root mean square: a tangent that is zero in exact arithmetic, as the
+    tangent of ones through a batch norm over the batch) match.
     """
     worst = 0.0
     floor = max((_rms(t) for t in inputs), default=0.0)
@@ -180,7 +211,7 @@ def _differs(compiled, eager, inputs):
             continue
         if not b.numel():
             continue
-        if max(_rms(a), _rms(b)) <= torch.finfo(b.dtype).eps ** 0.5 * floor:
+        if max(_rms(a), _rms(b)) <= ROUND_OFF * torch.finfo(b.dtype).eps * floor:
             continue  # both are round-off
         a64, b64 = a.detach().double(), b.detach().double()
         relative = ((a64 - b64).norm() / b64.norm().clamp_min(torch.finfo(torch.float64).tiny)).item()
@@ -194,13 +225,16 @@ def _describe_inputs(zs):
     return ", ".join(f"{tuple(z.shape)} {str(z.dtype).replace('torch.', '')}" for z in zs)
 
 
-def _compile(entry, batch, n):
-    program = entry.program
+def _program_fn(entry, batch, n):
+    """The written program as a function of ``(*zs, *vs)``: for a batch of tangents, its vmap over them."""
+    program = entry.program.module
     if batch:
-        fn = torch.vmap(program.module, in_dims=(None,) * n + (0,) * n, out_dims=(None, 0))
-    else:
-        fn = program.module
-    return torch.compile(fn, dynamic=False)
+        return torch.vmap(program, in_dims=(None,) * n + (0,) * n, out_dims=(None, 0))
+    return program
+
+
+def _compile(entry, batch, n):
+    return torch.compile(_program_fn(entry, batch, n), dynamic=False)
 
 
 def push_compiled(call, G, zs, vs, eager_push, *, batch=0):
@@ -253,7 +287,7 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch):
     try:
         g_leaves, tangent_leaves, spec = eager_push()
     except Exception as error:
-        entry.reason = f"the eager pass it is checked against raised {type(error).__name__}"
+        entry.reason = f"the eager pass it is checked against refused these inputs ({str(error).strip()[:300]})"
         raise
     entry.spec = spec
     after = Snapshot(G, call=call)  # the random state and buffers one forward leaves
@@ -276,8 +310,11 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch):
     entry.difference = difference
     tolerance = TOLERANCE.get(zs[0].dtype, _REDUCED)
     if not difference <= tolerance:
+        own = _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after)
+        culprit = ("mixedad's tangent program itself differs, run without the compiler (relative difference "
+                   f"{own:.3g}); please report it with G's code" if not own <= tolerance else "a compiler bug")
         _fall_back(call, G, entry, f"the compiled tangent differs from the eager pass (largest relative "
-                                   f"difference {difference:.3g}, tolerance {tolerance:g}): a compiler bug")
+                                   f"difference {difference:.3g}, tolerance {tolerance:g}): {culprit}")
     else:
         entry.status, entry.run = "compiled", run
         print(f"mixedad: compiled in {entry.compile_seconds:.1f} s; matches the eager pass (largest relative "
@@ -285,12 +322,24 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch):
     return g_leaves, tangent_leaves, spec
 
 
+def _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after):
+    """The program run without the compiler, against the eager pass (inf where it raises)."""
+    program = _program_fn(entry, batch, len(zs))
+    before.restore()
+    try:
+        with torch.no_grad():
+            primals, tangents = program(*zs, *vs)
+    except Exception:  # noqa: BLE001
+        return float("inf")
+    finally:
+        after.restore()
+    return max(_differs(list(primals), g_leaves, zs), _differs(list(tangents), tangent_leaves, vs))
+
+
 def _blame(entry, batch, zs, vs, error, before):
     """Why a compiled first run raised: mixedad's program itself (run eagerly), or the compiler."""
     first_line = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
-    program = entry.program.module
-    if batch:
-        program = torch.vmap(program, in_dims=(None,) * len(zs) + (0,) * len(zs), out_dims=(None, 0))
+    program = _program_fn(entry, batch, len(zs))
     before.restore()
     try:
         with torch.no_grad():

@@ -13,7 +13,7 @@ from mixedad._hooks.pytree import tree_flatten
 
 from mixedad._hooks.meta_trace import DTYPE
 from mixedad._programs import tangents as T
-from mixedad._programs.rules import (FUNCTIONS, METHODS, MODULES, NOT_TENSORS, Emit, Missing, carries, describe, draws,
+from mixedad._programs.rules import (FRESH_MODULES, FUNCTIONS, METHODS, MODULES, NOT_TENSORS, Emit, Missing, carries, describe, draws,
                                      writes_in_place)
 from mixedad._programs.trace import Unsupported, trace
 
@@ -69,6 +69,8 @@ class _Builder:
                               f"not follow")
         y = self.copy(node)
         self.primal[node] = y
+        if module is not None:
+            node.meta["mixedad_fresh"] = isinstance(module, FRESH_MODULES) and not getattr(module, "inplace", False)
         if not carried or not _has_tangent(node):
             return  # a constant, or a value that is no floating-point tensor (indices, sizes, masks)
         missing = [t for t in tree_flatten((targs, tkwargs))[0] if isinstance(t, Missing)]

@@ -143,13 +143,35 @@ def _instance_norm_module(e):
 _READS_INPUT = {T.gelu, T.silu, T.elu, T.softplus, T.absolute, T.power}
 
 
+def _fresh(node):
+    """Whether a node's value is a tensor of its own (not a view or the very input of another value), so
+    that writing into it changes nothing else: the output of a layer or an arithmetic op that allocates."""
+    if node.op == "call_module":
+        return node.meta.get("mixedad_fresh", False)
+    if node.op == "call_function":
+        return node.target in _ALLOCATING
+    return node.op == "call_method" and node.target in _ALLOCATING_METHODS
+
+
+_ALLOCATING = {operator.add, operator.sub, operator.mul, operator.truediv, operator.matmul, operator.neg, torch.add,
+               torch.sub, torch.mul, torch.div, torch.matmul, torch.cat, torch.stack, F.linear, F.conv1d, F.conv2d,
+               F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, F.interpolate, F.pad}
+_ALLOCATING_METHODS = {"add", "sub", "mul", "div", "matmul", "neg"}
+#: Layers whose output is a tensor of its own (``mixedad_fresh`` on their nodes, set when the program is written).
+FRESH_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                 nn.ConvTranspose3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d,
+                 nn.InstanceNorm2d, nn.InstanceNorm3d, nn.GroupNorm, nn.LayerNorm, nn.Upsample)
+
+
 def _in_place_check(e, fn, values, inplace):
-    """Refuse an in-place activation whose input is used again, or whose tangent needs the overwritten input."""
+    """Refuse an in-place activation unless it writes into a tensor of its own that nothing else uses, and its
+    tangent needs only the output."""
     if not inplace:
         return
     node_input = e.node.args[0] if e.node.args else e.node.kwargs.get("input")
-    if isinstance(node_input, fx.Node) and len(node_input.users) > 1:
-        raise Unsupported(f"{describe(e.node)} writes in place into a tensor that is used again")
+    if not isinstance(node_input, fx.Node) or len(node_input.users) > 1 or not _fresh(node_input):
+        raise Unsupported(f"{describe(e.node)} writes in place into a tensor that is used again or shares memory "
+                          f"with one (a view, a layer's input)")
     if fn in _READS_INPUT or (fn is T.leaky_relu and values["negative_slope"] < 0):
         raise Unsupported(f"{describe(e.node)} in place: its tangent needs the input the activation overwrites")
 
@@ -271,6 +293,14 @@ def _where(e):
                   e.arg(2, "other"))
 
 
+def _addmm(e):
+    beta, alpha = e.kwargs.get("beta", 1), e.kwargs.get("alpha", 1)
+    if len(e.args) > 3 or any(carries(e.tkwargs.get(k)) for k in ("beta", "alpha")):
+        raise Unsupported(f"{describe(e.node)} called in a form its rule does not take")
+    return e.call(T.addmm, e.y, e.arg(1, "mat1"), e.arg(2, "mat2"), e.targ(0, "input"), e.targ(1, "mat1"),
+                  e.targ(2, "mat2"), beta, alpha)
+
+
 def _attention(e):
     """``F.scaled_dot_product_attention``: the kernel's primal and mixedad's blockwise tangent, as the eager rule."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -367,7 +397,7 @@ FUNCTIONS.update({
     torch.cat: _joined("cat"), torch.concat: _joined("cat"), torch.stack: _joined("stack"),
     torch.chunk: _tuple_valued, torch.split: _tuple_valued, torch.unbind: _tuple_valued,
     torch.where: _where, torch.detach: lambda e: None, getattr: _attribute,
-    F.scaled_dot_product_attention: _attention,
+    F.scaled_dot_product_attention: _attention, torch.addmm: _addmm,
     **{fn: lambda e: e.only_first() for fn in DROPOUTS},  # not training (draws() refused the others)
     torch.zeros_like: lambda e: None, torch.ones_like: lambda e: None, torch.full_like: lambda e: None,
     torch.empty_like: lambda e: None, F.pad: _pad, operator.pow: _power, torch.pow: _power,

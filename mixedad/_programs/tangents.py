@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixedad._hooks.attention_backends import fused_attention_with_lse
-from mixedad.op_rules._attention import _rows_masked_by_large_numbers, blockwise_tangent
+from mixedad.op_rules._attention import blockwise_tangent
 from mixedad.op_rules._frozen_layers import _batch_statistics_tangent, _eval_scale
 
 _CONV_TRANSPOSE = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
@@ -87,7 +87,10 @@ def attention(q, k, v, dq, dk, dv, attn_mask, is_causal, scale, enable_gqa):
     log-sum-exp), the tangent blockwise (:func:`mixedad.op_rules._attention.blockwise_tangent`).
     """
     fused = None
-    if not enable_gqa and not _rows_masked_by_large_numbers(attn_mask):
+    # An additive mask takes the user's kernel and a softmax of its own per block: where its rows are masked
+    # by large finite numbers the kernel's log-sum-exp is inexact, and reading the mask to find out would stop
+    # a compiled program there (a graph break on a value).
+    if not enable_gqa and (attn_mask is None or attn_mask.dtype == torch.bool):
         fused = fused_attention_with_lse(q, k, v, attn_mask, is_causal, scale)
     if fused is None:
         out, lse = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
@@ -213,6 +216,13 @@ def bias(t, spatial):
     if t is None or not spatial:
         return t
     return t.reshape(-1, *([1] * spatial))
+
+
+def addmm(out, m1, m2, t_in, t1, t2, beta, alpha):
+    """The tangent of ``torch.addmm(input, m1, m2, beta=beta, alpha=alpha)``."""
+    product = matmul(out, m1, m2, t1, t2) if t1 is not None or t2 is not None else None
+    scaled_in = None if t_in is None else t_in * beta
+    return add(out, scaled_in, None if product is None else product * alpha)
 
 
 def joined(how, primals, tangents, dim):

@@ -89,15 +89,21 @@ def trace(G, zs):
     hooked = _hooks(G)
     if hooked:
         raise Unsupported(hooked)
-    names = [p.name for p in inspect.signature(G.forward).parameters.values()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(names) < len(zs):
-        raise Unsupported(f"G's forward takes {len(names)} named positional inputs, {len(zs)} given")
-    meta = {name: torch.empty_strided(z.shape, z.stride(), dtype=z.dtype, device="meta") for name, z in zip(names, zs)}
+    parameters = [p for p in inspect.signature(G.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(parameters) < len(zs):
+        raise Unsupported(f"G's forward takes {len(parameters)} named positional inputs, {len(zs)} given")
+    rest = [p for p in inspect.signature(G.forward).parameters.values() if p.name not in
+            {q.name for q in parameters[:len(zs)]} and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if any(p.default is p.empty for p in rest):
+        raise Unsupported(f"G's forward needs more inputs than the {len(zs)} given")
+    meta = {p.name: torch.empty_strided(z.shape, z.stride(), dtype=z.dtype, device="meta")
+            for p, z in zip(parameters, zs)}
+    concrete = {p.name: p.default for p in rest}  # the defaults G runs with: fixed, not traced as inputs
     snapshot = Snapshot(G)
     try:
         with torch.enable_grad(), torch.inference_mode(False):
-            graph = MetaTrace(_before_each_node, lambda m: type(m) in MODULES).run(G, meta)
+            graph = MetaTrace(_before_each_node, lambda m: type(m) in MODULES).run(G, meta, concrete)
         written = _attributes_written(snapshot)
         if written:
             raise Unsupported(f"G's forward sets the attribute {written} (a counter, a cache), which a program, "

@@ -1,4 +1,5 @@
 """compile=True: the compiled tangent program against the eager pass and double backward, its cache, its fallbacks."""
+import types
 import warnings
 
 import pytest
@@ -166,30 +167,52 @@ def test_bad_arguments_and_what_runs_eager():
         mixedad.mixed_grad(f, hooked, z, y, v, compile=True)
 
 
+GAIN = 1.0
+
+
 class _Truncated(nn.Module):
-    """A custom module whose forward reads plain attributes, a parameter, a buffer and a function it holds."""
+    """A custom module whose forward reads attributes of many kinds, a parameter, a buffer, a function it
+    holds and a global."""
 
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(8, 8)
         self.act = nn.LeakyReLU(0.1)
-        self.psi = 0.7
+        self.psi, self._private = 0.7, 1.0
+        self.cfg, self.space = {"scale": 1.0}, types.SimpleNamespace(scale=1.0)
+        self.scales = [1.0, torch.tensor(1.0)]
         self.scale = nn.Parameter(torch.ones(8))
         self.register_buffer("shift", torch.zeros(8))
         self.fn = torch.tanh
 
     def forward(self, z):
-        return self.fn(self.act(self.linear(z)) * self.psi * self.scale + self.shift)
+        h = self.act(self.linear(z)) * self.psi * self._private * self.cfg["scale"] * self.space.scale
+        return self.fn(h * self.scales[0] * GAIN * self.scale + self.shift)
 
 
-@pytest.mark.parametrize("change", ["attribute", "layer_setting", "parameter", "buffer", "function", "weights"])
+CHANGES = ["attribute", "private", "dict", "namespace", "list", "global", "layer_setting", "parameter", "buffer",
+           "function", "weights"]
+
+
+@pytest.mark.parametrize("change", CHANGES)
 def test_a_program_follows_what_g_holds_after_a_change(change):
     G = _Truncated().to(D)
     z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D))
     mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    global GAIN
     with torch.no_grad():
         if change == "attribute":
             G.psi = 0.3
+        elif change == "private":
+            G._private = 1.7
+        elif change == "dict":
+            G.cfg["scale"] = 1.3
+        elif change == "namespace":
+            G.space.scale = 0.6
+        elif change == "list":
+            G.scales[0] = 2.0
+        elif change == "global":
+            GAIN = 1.5
         elif change == "layer_setting":
             G.act.negative_slope = 0.9
         elif change == "parameter":
@@ -200,8 +223,11 @@ def test_a_program_follows_what_g_holds_after_a_change(change):
             G.fn = torch.sigmoid
         else:
             G.linear.weight.mul_(3)
-    out = mixedad.mixed_grad(f, G, z, y, v, compile=True)
-    reference = double_backward_mixed_grad(f, G, z, y, v)
+    try:
+        out = mixedad.mixed_grad(f, G, z, y, v, compile=True)
+        reference = double_backward_mixed_grad(f, G, z, y, v)
+    finally:
+        GAIN = 1.0
     assert (out - reference).abs().max() <= 1e-9 * reference.abs().max()
     assert len(mixedad.compiled_tangents(G)) == (1 if change == "weights" else 2)
 
@@ -317,3 +343,42 @@ def test_compile_under_vmap_says_it_runs_eager():
     z, y, _ = _problem(G)
     with pytest.warns(RuntimeWarning, match="inside torch.func.vmap"):
         torch.func.vmap(lambda v: mixedad.mixed_grad(f, G, z, y, v, compile=True))(torch.randn(3, *z.shape, dtype=D))
+
+
+def test_an_in_place_activation_on_a_view_runs_eager():
+    class View(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.act = nn.Linear(8, 8), nn.ReLU(inplace=True)
+
+        def forward(self, z):
+            h = self.linear(z)
+            self.act(h[:, :1])  # writes into h
+            return h * 2
+
+    G = View().to(D)
+    z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D))
+    with pytest.warns(RuntimeWarning, match="shares memory"):
+        mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    relu_after_a_layer = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8)).to(D)
+    mixedad.mixed_grad(f, relu_after_a_layer, z, y, v, compile=True)
+    assert mixedad.compiled_tangents(relu_after_a_layer)[0].status == "compiled"
+
+
+def test_shapes_read_as_ndim_and_numel_and_defaults_of_forward_are_fixed():
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, z, temb=None, scale=2.0):
+            if z.ndim == 2 and z.numel() > 0:
+                z = z * scale
+            h = self.linear(z)
+            return h if temb is None else h + temb
+
+    G = Reads().to(D)
+    z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D))
+    out = mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    assert mixedad.compiled_tangents(G)[0].status == "compiled"
+    assert torch.allclose(out, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-10)

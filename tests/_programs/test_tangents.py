@@ -76,6 +76,8 @@ FUNCTIONS = {
     "reductions": lambda z: z.sum(dim=1, keepdim=True) * z.mean() + torch.flatten(z).sum(),
     "broadcast_with_a_constant": lambda z: z[0] + torch.ones(3, 1, dtype=z.dtype) * 2,
     "detach": lambda z: z * z.detach() + (z - z.detach()),
+    "addmm": lambda z: torch.addmm(z[:, :2].sum(0), z, z.T[:, :2]) + torch.addmm(z[0, :2], z[:, :2], z[:2, :2],
+                                                                                 beta=0.5, alpha=2.0),
 }
 
 
