@@ -10,12 +10,14 @@ pass on its first call, and run it from then on (:mod:`mixedad._programs.compile
 What a program covers: ``nn.Linear``, convolutions and transposed convolutions (frozen),
 batch norm (eval and training), instance, group and layer norm, pointwise activations (ReLU,
 LeakyReLU, tanh, sigmoid, GELU, SiLU, ELU, softplus, hardtanh), dropout in eval mode, padding,
-upsampling and shape ops, sums, products, quotients, matrix products, ``F.linear`` / ``F.conv*``
-with weights that carry tangents (modulated convolutions), ``cat`` / ``stack`` / ``where``, and
-``detach``. What it refuses, so that G runs on the eager pass instead (with a warning): an op
-with no rule on the tangent's way (attention, cdist feeding the output, custom modules torch.fx
-keeps whole), custom ``autograd.Function``\\ s, grad mode or autocast switched inside G, hooks,
-random ops, in-place writes into tensors used again, and control flow on values.
+upsampling and shape ops, sums, products, quotients, matrix products (``addmm`` too),
+``F.linear`` / ``F.conv*`` with weights that carry tangents (modulated convolutions), ``cat`` /
+``stack`` / ``where``, ``detach``, and ``F.scaled_dot_product_attention`` (the eager rule's
+blockwise tangent). What it refuses, so that G runs on the eager pass instead (with a warning):
+an op with no rule on the tangent's way (cdist feeding the output, ``nn.MultiheadAttention`` and
+other layers torch.fx keeps whole without a rule), custom ``autograd.Function``\\ s, grad mode or
+autocast switched inside G, hooks, random draws, in-place writes, a forward that sets its own
+attributes, and control flow on values.
 
 Layout: :mod:`~mixedad._programs.trace` (the trace and what it refuses),
 :mod:`~mixedad._programs.rules` (node -> tangent), :mod:`~mixedad._programs.tangents` (the
