@@ -87,11 +87,14 @@ class CompiledTangent:
     run: Any = dataclasses.field(default=None, repr=False)
 
 
+#: The most programs kept per G (one per key); beyond, the least recently used is dropped.
+MAX_PROGRAMS = 8
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, CompiledTangent]]" = weakref.WeakKeyDictionary()
 
 
 def compiled_tangents(G: nn.Module) -> List[CompiledTangent]:
-    r"""The tangent programs ``compile=True`` has made for G, one per key, oldest first.
+    r"""The tangent programs ``compile=True`` keeps for G, one per key, least recently used first (at most
+    :data:`MAX_PROGRAMS`).
 
     A key is one set of input shapes, strides, dtypes and devices, one number of tangents, and
     one state of G's modules (which modules, in which train/eval mode). Each entry says whether
@@ -252,8 +255,17 @@ def push_compiled(call, G, zs, vs, eager_push, *, batch=0):
     key = _key(G, zs, vs, batch)
     entry = entries.get(key)
     if entry is None:
+        if len(entries) >= MAX_PROGRAMS:
+            oldest = next(iter(entries))
+            del entries[oldest]  # the least recently used program of G, and its compiled code
+            warn_once(("compile evicts", id(G)),
+                      f"mixedad: {call} with compile=True has written {MAX_PROGRAMS} programs for "
+                      f"{type(G).__name__} (one per input shape, dtype and state of G); each new one compiles "
+                      f"again, and the least recently used is dropped. Keep z's shape fixed (pad the batch) to "
+                      f"compile once.")
         entry = entries[key] = CompiledTangent([(tuple(z.shape), z.dtype) for z in zs], batch or 1)
         return _first_call(call, G, zs, vs, eager_push, entry, batch)
+    entries[key] = entries.pop(key)  # the most recently used last
     if entry.status != "compiled":
         return eager_push()
     try:

@@ -382,3 +382,15 @@ def test_shapes_read_as_ndim_and_numel_and_defaults_of_forward_are_fixed():
     out = mixedad.mixed_grad(f, G, z, y, v, compile=True)
     assert mixedad.compiled_tangents(G)[0].status == "compiled"
     assert torch.allclose(out, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-10)
+
+
+def test_programs_per_g_are_capped_least_recently_used_first(monkeypatch):
+    monkeypatch.setattr(compiled, "MAX_PROGRAMS", 2)
+    G = _mlp()
+    problems = [_problem(G, batch=b) for b in (2, 3, 4)]
+    for z, y, v in problems[:2]:
+        mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    mixedad.mixed_grad(f, G, *problems[0], compile=True)  # batch 2 is now the most recently used
+    with pytest.warns(RuntimeWarning, match="least recently used is dropped"):
+        mixedad.mixed_grad(f, G, *problems[2], compile=True)
+    assert [e.inputs[0][0] for e in mixedad.compiled_tangents(G)] == [(2, 8), (4, 8)]
