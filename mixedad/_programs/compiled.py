@@ -17,6 +17,7 @@ to eager with a warning too. :func:`compiled_tangents` lists what was compiled, 
 """
 import dataclasses
 import sys
+import threading
 import time
 import types
 import weakref
@@ -87,6 +88,7 @@ class CompiledTangent:
     run: Any = dataclasses.field(default=None, repr=False)
 
 
+_LOCK = threading.Lock()
 #: The most programs kept per G (one per key); beyond, the least recently used is dropped.
 MAX_PROGRAMS = 8
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, CompiledTangent]]" = weakref.WeakKeyDictionary()
@@ -251,21 +253,23 @@ def push_compiled(call, G, zs, vs, eager_push, *, batch=0):
     if refusal is not None:
         warn_once(("compile refused", call, refusal), f"mixedad: {call} with compile=True runs eager here: {refusal}.")
         return eager_push()
-    entries = _CACHE.setdefault(G, {})
     key = _key(G, zs, vs, batch)
-    entry = entries.get(key)
-    if entry is None:
-        if len(entries) >= MAX_PROGRAMS:
-            oldest = next(iter(entries))
-            del entries[oldest]  # the least recently used program of G, and its compiled code
-            warn_once(("compile evicts", id(G)),
-                      f"mixedad: {call} with compile=True has written {MAX_PROGRAMS} programs for "
-                      f"{type(G).__name__} (one per input shape, dtype and state of G); each new one compiles "
-                      f"again, and the least recently used is dropped. Keep z's shape fixed (pad the batch) to "
-                      f"compile once.")
-        entry = entries[key] = CompiledTangent([(tuple(z.shape), z.dtype) for z in zs], batch or 1)
+    with _LOCK:  # threads share the cache; a key's first call compiles once, the others run eager meanwhile
+        entries = _CACHE.setdefault(G, {})
+        entry = entries.pop(key, None)
+        first = entry is None
+        if first:
+            if len(entries) >= MAX_PROGRAMS:
+                del entries[next(iter(entries))]  # the least recently used program of G, and its compiled code
+                warn_once(("compile evicts", id(G)),
+                          f"mixedad: {call} with compile=True has written {MAX_PROGRAMS} programs for "
+                          f"{type(G).__name__} (one per input shape, dtype and state of G); each new one compiles "
+                          f"again, and the least recently used is dropped. Keep z's shape fixed (pad the batch) "
+                          f"to compile once.")
+            entry = CompiledTangent([(tuple(z.shape), z.dtype) for z in zs], batch or 1)
+        entries[key] = entry  # the most recently used last
+    if first:
         return _first_call(call, G, zs, vs, eager_push, entry, batch)
-    entries[key] = entries.pop(key)  # the most recently used last
     if entry.status != "compiled":
         return eager_push()
     try:
