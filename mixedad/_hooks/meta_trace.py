@@ -12,8 +12,9 @@ What this relies on in torch (pinned by ``tests/_hooks/test_meta_trace.py``):
   ``size()`` and ``shape`` from the meta value but not ``ndim`` or ``numel()``), and ``torch.fx.Proxy`` has no in-place
   operators: ``x += y`` in traced code falls back to ``x = x + y``, which leaves an alias of x
   unchanged where eager code changes it;
-- ``torch.nn.utils.stateless._reparametrize_module(module, state)`` swaps a module's parameters
-  and buffers for the tensors of ``state`` inside a block, and puts them back after;
+- a module's parameters and buffers live in its ``_parameters`` and ``_buffers`` dicts, so a
+  shallow copy of a leaf module with those two dicts replaced runs on other tensors;
+- ``torch.fx``'s tracer sets the tensors traced code makes (constants) as attributes of the root;
 - a custom ``torch.autograd.Function`` runs its forward below the frame of ``Function.apply`` in
   ``torch/autograd/function.py``;
 - tensor factories and random draws are torch functions, which a ``TorchFunctionMode`` sees even
@@ -21,13 +22,13 @@ What this relies on in torch (pinned by ``tests/_hooks/test_meta_trace.py``):
 - ``torch._C._is_torch_function_mode_enabled()`` and ``torch._C._len_torch_dispatch_stack()`` say
   whether a torch function mode or a dispatch mode is active.
 """
+import copy
 import sys
 import warnings
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.meta_tracer import MetaProxy, MetaTracer, proxys_to_metas
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["MetaTrace", "inside_function_apply", "modes_active", "DTYPE"]
@@ -119,7 +120,8 @@ class MetaTrace(MetaTracer):
     random draw of the traced code (a draw without proxies leaves no
     node: its value would become a constant of the graph); it may
     raise to refuse); leaf modules for which ``meta_modules(module)`` is true get a meta value by
-    running their own ``forward`` on meta copies of their parameters and buffers (never G's own)."""
+    running their own ``forward`` on a shallow copy of the module with meta parameters and buffers
+    (G's module is never touched)."""
 
     def __init__(self, before, meta_modules):
         super().__init__()
@@ -167,12 +169,14 @@ class MetaTrace(MetaTracer):
         module = self.root.get_submodule(target)
         if not self._meta_modules(module):
             return None
-        state = {name: t.to("meta") for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        # A shallow copy with meta parameters and buffers: G's module, which other threads may run, is not touched.
+        clone = copy.copy(module)
+        clone.__dict__["_parameters"] = {n: None if t is None else t.to("meta") for n, t in module._parameters.items()}
+        clone.__dict__["_buffers"] = {n: None if t is None else t.to("meta") for n, t in module._buffers.items()}
         self._disable_module_getattr = self._meta_run = True
         try:
-            with _reparametrize_module(module, state):
-                return type(module).forward(module, *fx.node.map_aggregate(args, proxys_to_metas),
-                                            **fx.node.map_aggregate(kwargs, proxys_to_metas))
+            return type(module).forward(clone, *fx.node.map_aggregate(args, proxys_to_metas),
+                                        **fx.node.map_aggregate(kwargs, proxys_to_metas))
         except Exception:  # noqa: BLE001 - no meta value: the node's dtype stays unknown
             return None
         finally:

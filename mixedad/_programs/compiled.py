@@ -85,6 +85,7 @@ class CompiledTangent:
     difference: Optional[float] = None
     program: Any = dataclasses.field(default=None, repr=False)
     spec: Any = dataclasses.field(default=None, repr=False)
+    held: Any = dataclasses.field(default=None, repr=False)
     run: Any = dataclasses.field(default=None, repr=False)
 
 
@@ -121,52 +122,68 @@ _SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
-def _fingerprint(value, depth=3):
+def _fingerprint(value, held, depth=3, live=False):
     """A value as the key sees it: simple values by value, containers and plain objects by their contents
-    (``depth`` levels down), tensors, modules and functions by identity."""
+    (``depth`` levels down), tensors, modules and functions by identity. What is keyed by identity goes
+    into ``held``, which the cache entry keeps: an object it keys stays alive, so its id is never reused.
+    A tensor also by its version counter, unless ``live`` (parameters and buffers, which a program reads
+    when it runs): traced code computes with other tensors when it is written, and keeps the result."""
     if isinstance(value, _SIMPLE):
         return value
     if depth and isinstance(value, (tuple, list)):
-        return type(value), tuple(_fingerprint(v, depth - 1) for v in value)
+        return type(value), tuple(_fingerprint(v, held, depth - 1) for v in value)
     if depth and isinstance(value, dict):
-        return dict, tuple((k if isinstance(k, _SIMPLE) else id(k), _fingerprint(v, depth - 1))
+        return dict, tuple((k if isinstance(k, _SIMPLE) else _fingerprint(k, held, 0), _fingerprint(v, held, depth - 1))
                            for k, v in value.items())
     if (depth and not isinstance(value, (torch.Tensor, nn.Module, type, types.ModuleType)) and not callable(value)
             and isinstance(getattr(value, "__dict__", None), dict)):
-        return type(value), _fingerprint(vars(value), depth - 1)  # a config object, a namespace
+        return type(value), _fingerprint(vars(value), held, depth - 1)  # a config object, a namespace
+    held.append(value)
+    if isinstance(value, torch.Tensor):
+        if live or value.is_inference():
+            return id(value), value.dtype, value.device
+        return id(value), value.dtype, value.device, value._version
     return id(value), type(value)
 
 
-def _module_key(m):
+def _module_key(m, held, root):
     attributes = m.__dict__
-    return (id(m), m.training, *[id(t) for t in attributes["_parameters"].values()], None,
-            *[id(t) for t in attributes["_buffers"].values()], None,
-            *[(n, _fingerprint(v)) for n, v in attributes.items() if n not in _MODULE_INTERNALS])
+    if m is not root:  # G itself is the cache's weak key: it is not held, and lives while its entries do
+        held.append(m)
+    tensors = [_fingerprint(t, held, live=True) for t in attributes["_parameters"].values()]
+    tensors += [None, *[_fingerprint(t, held, live=True) for t in attributes["_buffers"].values()]]
+    return (id(m), m.training, *tensors, None,
+            *[(n, _fingerprint(v, held)) for n, v in attributes.items() if n not in _MODULE_INTERNALS])
 
 
 _GLOBALS: Dict[type, Any] = {}
 
 
-def _globals_key(G):
-    """The globals each of G's module classes' ``forward`` names (``SCALE`` in ``x * SCALE``), by value."""
-    key = []
-    for cls in {type(m) for m in G.modules()}:
-        names = _GLOBALS.get(cls)
-        if names is None:
-            forward = getattr(cls.forward, "__code__", None)
-            glob = getattr(cls.forward, "__globals__", {})
-            names = _GLOBALS[cls] = (glob, tuple(n for n in forward.co_names if n in glob) if forward else ())
-        glob, used = names
-        key.append((cls, tuple(_fingerprint(glob.get(n)) for n in used)))
-    return tuple(sorted(key, key=lambda item: id(item[0])))
+def _class_key(cls, held):
+    """The attributes of a module class and its bases up to ``nn.Module`` (``scale = 2.0`` in the class body),
+    and the globals its ``forward`` names (``SCALE`` in ``x * SCALE``)."""
+    names = _GLOBALS.get(cls)
+    if names is None:
+        forward = getattr(cls.forward, "__code__", None)
+        glob = getattr(cls.forward, "__globals__", {})
+        bases = tuple(c for c in cls.__mro__ if c not in nn.Module.__mro__)
+        names = _GLOBALS[cls] = (glob, tuple(n for n in forward.co_names if n in glob) if forward else (), bases)
+    glob, used, bases = names
+    return (cls, tuple(_fingerprint(glob.get(n), held) for n in used),
+            tuple((n, _fingerprint(v, held)) for c in bases for n, v in vars(c).items() if not n.startswith("__")))
 
 
 def _key(G, zs, vs, batch):
-    """What a program is written for: the inputs' layouts, G's modules with their modes, tensors and
-    attributes, and the globals their forwards name (a program reads such values as they were written)."""
+    """``(key, held)``: what a program is written for (the inputs' layouts; G's modules with their modes,
+    tensors and attributes; their classes' attributes and the globals their forwards name: a program reads
+    such values as they were when it was written), and the objects the key identifies by id."""
+    held: List[Any] = []
     tensors = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (*zs, *vs))
-    return (batch, tensors, tuple(map(_module_key, G.modules())), _globals_key(G),
-            torch.backends.mkldnn.enabled)
+    modules = list(G.modules())
+    classes = sorted({type(m) for m in modules}, key=id)
+    key = (batch, tensors, tuple(_module_key(m, held, G) for m in modules),
+           tuple(_class_key(c, held) for c in classes), torch.backends.mkldnn.enabled)
+    return key, held
 
 
 def _refusal(G, zs, vs):
@@ -253,7 +270,7 @@ def push_compiled(call, G, zs, vs, eager_push, *, batch=0):
     if refusal is not None:
         warn_once(("compile refused", call, refusal), f"mixedad: {call} with compile=True runs eager here: {refusal}.")
         return eager_push()
-    key = _key(G, zs, vs, batch)
+    key, held = _key(G, zs, vs, batch)
     with _LOCK:  # threads share the cache; a key's first call compiles once, the others run eager meanwhile
         entries = _CACHE.setdefault(G, {})
         entry = entries.pop(key, None)
@@ -267,9 +284,19 @@ def push_compiled(call, G, zs, vs, eager_push, *, batch=0):
                           f"again, and the least recently used is dropped. Keep z's shape fixed (pad the batch) "
                           f"to compile once.")
             entry = CompiledTangent([(tuple(z.shape), z.dtype) for z in zs], batch or 1)
+            entry.held = held
         entries[key] = entry  # the most recently used last
     if first:
-        return _first_call(call, G, zs, vs, eager_push, entry, batch)
+        result = _first_call(call, G, zs, vs, eager_push, entry, batch)
+        # The first call's snapshots put tensors back in place, which bumps their version counters: the entry
+        # is filed under the key as G now is, so that the next call finds it.
+        settled, entry.held = _key(G, zs, vs, batch)
+        if settled != key:
+            with _LOCK:
+                if entries.get(key) is entry:
+                    del entries[key]
+                    entries[settled] = entry
+        return result
     if entry.status != "compiled":
         return eager_push()
     try:

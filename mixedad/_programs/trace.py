@@ -100,19 +100,26 @@ def trace(G, zs):
     meta = {p.name: torch.empty_strided(z.shape, z.stride(), dtype=z.dtype, device="meta")
             for p, z in zip(parameters, zs)}
     concrete = {p.name: p.default for p in rest}  # the defaults G runs with: fixed, not traced as inputs
-    snapshot = Snapshot(G)
-    try:
-        with torch.enable_grad(), torch.inference_mode(False):
-            graph = MetaTrace(_before_each_node, lambda m: type(m) in MODULES).run(G, meta, concrete)
-        written = _attributes_written(snapshot)
-        if written:
-            raise Unsupported(f"G's forward sets the attribute {written} (a counter, a cache), which a program, "
-                              f"written once, would not set again")
-    except Unsupported:
-        raise
-    except Exception as error:  # a trace fails in many ways: data-dependent control flow, iteration, ...
-        raise Unsupported(f"torch.fx cannot trace G ({type(error).__name__}: {str(error).splitlines()[0][:200]})") \
-            from error
-    finally:
-        snapshot.restore()
-    return fx.GraphModule(G, graph)
+    from mixedad._frontend.tangents import FORWARD_PASS_LOCK
+    # torch.fx patches torch while it traces (nn.Module.__call__ among others): mixedad's passes in other
+    # threads wait for the trace, as they wait for each other's forward-AD level.
+    with FORWARD_PASS_LOCK:
+        own = set(vars(G))
+        snapshot = Snapshot(G)
+        try:
+            with torch.enable_grad(), torch.inference_mode(False):
+                graph = MetaTrace(_before_each_node, lambda m: type(m) in MODULES).run(G, meta, concrete)
+            written = _attributes_written(snapshot)
+            if written:
+                raise Unsupported(f"G's forward sets the attribute {written} (a counter, a cache), which a program, "
+                                  f"written once, would not set again")
+            return fx.GraphModule(G, graph)
+        except Unsupported:
+            raise
+        except Exception as error:  # a trace fails in many ways: data-dependent control flow, iteration, ...
+            raise Unsupported(f"torch.fx cannot trace G ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0][:200]})") from error
+        finally:
+            snapshot.restore()
+            for name in set(vars(G)) - own:  # the trace keeps tensors G makes as attributes of G: the program
+                delattr(G, name)  # holds its own copies of them

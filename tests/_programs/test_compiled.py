@@ -1,4 +1,5 @@
 """compile=True: the compiled tangent program against the eager pass and double backward, its cache, its fallbacks."""
+import functools
 import types
 import warnings
 
@@ -394,3 +395,90 @@ def test_programs_per_g_are_capped_least_recently_used_first(monkeypatch):
     with pytest.warns(RuntimeWarning, match="least recently used is dropped"):
         mixedad.mixed_grad(f, G, *problems[2], compile=True)
     assert [e.inputs[0][0] for e in mixedad.compiled_tangents(G)] == [(2, 8), (4, 8)]
+
+
+class _ClassScaled(nn.Module):
+    scale = 2.0  # a class attribute
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.plain = torch.zeros(8)  # a tensor attribute (not a buffer): traced code computes with it once
+        self.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+
+    def forward(self, z):
+        return torch.tanh(self.act(self.linear(z)) * self.scale + self.plain.exp())
+
+
+@pytest.mark.parametrize("change", ["class_attribute", "recycled_function", "tensor_in_place", "dtype"])
+def test_what_a_key_identifies_cannot_change_behind_it(change):
+    G = _ClassScaled().to(D)
+    z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D))
+    for _ in range(2):
+        mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    try:
+        if change == "class_attribute":
+            _ClassScaled.scale = 5.0
+        elif change == "recycled_function":
+            for slope in (0.3, 0.5, 0.7):  # each old partial freed first: a new one may take its address
+                G.act = None
+                G.act = functools.partial(F.leaky_relu, negative_slope=slope)
+                out = mixedad.mixed_grad(f, G, z, y, v, compile=True)
+                reference = double_backward_mixed_grad(f, G, z, y, v)
+                assert (out - reference).abs().max() <= 1e-9 * reference.abs().max()
+        elif change == "tensor_in_place":
+            G.plain.fill_(1.0)
+        else:
+            G.float()
+            z, y, v = z.float(), y.float(), v.float()
+        out = mixedad.mixed_grad(f, G, z, y, v, compile=True)
+        reference = double_backward_mixed_grad(f, G, z, y, v)
+    finally:
+        _ClassScaled.scale = 2.0
+    tol = 1e-9 if change != "dtype" else 1e-4
+    assert (out - reference).abs().max() <= tol * reference.abs().max()
+    assert all(e.status == "compiled" for e in mixedad.compiled_tangents(G))
+
+
+def test_the_trace_leaves_no_constants_on_g_and_one_program_serves_every_call():
+    class Embeds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, z):
+            frequencies = torch.exp(-torch.arange(8, dtype=z.dtype) / 8)  # made in forward: a constant of the trace
+            return self.linear(z) * frequencies
+
+    G = Embeds().to(D)
+    names = set(vars(G))
+    z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D))
+    for _ in range(3):
+        mixedad.mixed_grad(f, G, z, y, v, compile=True)
+    assert set(vars(G)) == names
+    assert len(mixedad.compiled_tangents(G)) == 1
+
+
+def test_threads_compiling_and_running_eager_at_once_get_the_right_numbers():
+    import threading
+
+    G = _mlp()
+    problems = [_problem(G, batch=b, seed=b) for b in (3, 5)]
+    expected = [mixedad.mixed_grad(f, G, *p) for p in problems]
+    results, errors = {}, []
+
+    def work(i, compile):
+        try:
+            for r in range(3):
+                results[i, r] = mixedad.mixed_grad(f, G, *problems[i], compile=compile)
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i, i == 0)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for (i, _), out in results.items():
+        assert torch.allclose(out, expected[i], rtol=1e-10, atol=1e-12)

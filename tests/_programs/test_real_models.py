@@ -56,6 +56,7 @@ def test_transformers_gpt2_block():
             self.block = block
 
         def forward(self, e):
-            return self.block(e)[0]
+            out = self.block(e)  # the hidden states, alone or first in a tuple (transformers' versions differ)
+            return out[0] if isinstance(out, tuple) else out
 
     _check(Block().to(D).eval(), torch.randn(2, 5, 16, dtype=D))
