@@ -4,7 +4,6 @@ import operator
 import pytest
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from mixedad._programs import rules
