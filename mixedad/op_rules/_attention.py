@@ -172,9 +172,10 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
             p_ds = (left[..., rows, :] @ right[..., cols, :].mT).mul_(p)  # (..., k, rows, cols)
             del p
             # (P o dS) V with the k tangents stacked as rows: V is not copied k times; and the row sums of P o dS.
+            row_sums = p_ds.sum(dim=-1, keepdim=True)
             pv = (p_ds.flatten(-3, -2) @ v_flat[..., cols, :]).unflatten(-2, (size, step))
-            term = pv.sub_(p_ds.sum(dim=-1, keepdim=True) * o[..., rows, :])
-            del p_ds
+            del p_ds  # before the term's temporaries: the block is the largest tensor here
+            term = pv.sub_(row_sums * o[..., rows, :])
             d_o = term if d_o is None else term.add_(d_o)
         tangent[..., rows, :] = d_o
     return _unbatch(tangent, batched).to(out.dtype)
