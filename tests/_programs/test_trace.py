@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixedad._hooks import meta_trace
 from mixedad._programs.program import write
 from mixedad._programs.trace import Unsupported, trace
 
@@ -74,9 +75,12 @@ def test_what_a_trace_cannot_see_is_refused(case):
     G = _Wrap(fn)
     z = torch.randn(2, 3)
     rng = torch.get_rng_state()
+    call, grad = nn.Module.__call__, torch.is_grad_enabled()
     with pytest.raises(Unsupported, match=message):
         write(G, [z])
     assert torch.equal(torch.get_rng_state(), rng)
+    # torch as found: no mode left on the stack, torch.fx's patches undone, grad mode unchanged
+    assert not meta_trace.modes_active() and nn.Module.__call__ is call and torch.is_grad_enabled() == grad
 
 
 def test_eval_dropout_is_no_draw():
