@@ -6,7 +6,10 @@ of the ratio within one round, so that a shared machine's slow spells cancel):
 - ``plain_forward``: G(z) under no_grad (the unit);
 - ``two plain forwards``: G(z) twice, the floor of any tangent pass that computes the primal and a
   tangent of the same cost;
-- ``mixed_grad``: mixedad, eager;
+- ``mixed_grad``: mixedad's default, eager (from a key's third call: G's tangent program run
+  without the compiler, where G has one; the per-op pass elsewhere);
+- ``mixed_grad per-op``: mixedad's per-op pass alone (what the default runs on a first call, and for a
+  G without a program);
 - ``mixed_grad compiled``: ``mixed_grad(..., compile=True)`` after its first call (G's tangent
   program under ``torch.compile``; the first call's compile time, which includes the check against
   the eager pass, is reported on its own); a G without a tangent program runs eager there (attention);
@@ -100,8 +103,14 @@ def point(name, G, z, y, v, with_jvp, with_hand, repeats, compile_hand):
             G(z)
             return G(z)
 
+    def per_op():
+        with mixedad.per_op_pass():
+            return mixedad.mixed_grad(objective, G, z, y, v)
+
     fns = {"plain_forward": lambda: torch.no_grad()(G)(z), "two plain forwards": two_forwards,
-           "mixed_grad": lambda: mixedad.mixed_grad(objective, G, z, y, v)}
+           "mixed_grad": lambda: mixedad.mixed_grad(objective, G, z, y, v), "mixed_grad per-op": per_op}
+    for _ in range(2):  # the default's program: written and checked on the second call
+        fns["mixed_grad"]()
     compiled_seconds = None
     if name != "attention":  # no tangent program (attention has no rule): it would run eager
         start = time.perf_counter()
@@ -137,7 +146,7 @@ def point(name, G, z, y, v, with_jvp, with_hand, repeats, compile_hand):
     return row
 
 
-COLUMNS = ["two plain forwards", "mixed_grad", "mixed_grad compiled", "torch.func.jvp", "hand JVP",
+COLUMNS = ["two plain forwards", "mixed_grad", "mixed_grad per-op", "mixed_grad compiled", "torch.func.jvp", "hand JVP",
            "hand JVP compiled"]
 
 

@@ -8,7 +8,7 @@ happens to each op of G: the per-op tangent rules), ``mixedad.profiling`` (exact
 are public.
 """
 from mixedad import benchmark, distributed, op_rules, profiling, reference, testing, zoo
-from mixedad._programs.compiled import CompiledTangent, compiled_tangents
+from mixedad._programs.compiled import CompiledTangent, compiled_tangents, per_op_pass
 from mixedad.cached import cached_backward
 from mixedad.curvature import CurvatureError, ZCurvature, z_curvature
 from mixedad.graph import GraphReport, graph_report
@@ -35,6 +35,7 @@ __all__ = [
     "input_grad",
     "mixed_grad",
     "mixed_jacobian",
+    "per_op_pass",
     "tangent_report",
     "z_curvature",
     "benchmark",

@@ -55,6 +55,9 @@ class StorageCounter(TorchDispatchMode):
         (16000, 0)
     """
 
+    #: It only watches: mixedad's tangent programs run under it as they run without it.
+    observes_only = True
+
     def __init__(self, *, meta: bool = False) -> None:
         super().__init__()
         self.meta = meta

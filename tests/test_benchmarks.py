@@ -184,7 +184,8 @@ def test_tangent_speed_runs_side_by_side_and_leaves_the_readme_alone_elsewhere(t
     rows = {r["generator"]: r for r in json.loads((tmp_path / "tangent_speed_cpu.json").read_text())["rows"]}
     assert set(rows) == {"dcgan (eval)", "dcgan (train)", "mlp", "attention"}
     assert set(rows["dcgan (eval)"]["time_vs_plain"]) == {"plain_forward", "two plain forwards", "mixed_grad",
-                                                          "mixed_grad compiled", "torch.func.jvp", "hand JVP"}
+                                                          "mixed_grad per-op", "mixed_grad compiled", "torch.func.jvp",
+                                                          "hand JVP"}
     assert "mixed_grad compiled" not in rows["attention"]["time_vs_plain"]  # no tangent program: it would run eager
     assert rows["dcgan (train)"]["mixed_grad_compile_seconds"] > 0
     assert rows["attention"]["peak_vs_plain"]["mixed_grad"] > 1

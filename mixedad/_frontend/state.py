@@ -149,7 +149,10 @@ class Snapshot:
             now = plain_attributes(module)
             for name in now.keys() - attributes.keys():
                 del module.__dict__[name]  # made by a pass that is undone (a cache, a step count)
-            module.__dict__.update((name, value) for name, value in attributes.items() if now.get(name) is not value)
+            # Against the module's own dict: an attribute set to something no snapshot records (a trace's proxy)
+            # is put back too.
+            module.__dict__.update((name, value) for name, value in attributes.items()
+                                   if module.__dict__.get(name, _ABSENT) is not value)
         with torch.no_grad():
             for entry in self.saved:
                 entry.put_back()
@@ -215,6 +218,9 @@ class _TensorAttribute(_Buffer):
 #: Plain module attributes a forward may set (step counts, flags, cached tensors): snapshots keep
 #: them by reference, so reassigning one (``self.step += 1``, ``self.cache = h``) is undone.
 _PLAIN = (bool, int, float, str, type(None), torch.Tensor)
+
+
+_ABSENT = object()
 
 
 def plain_attributes(module):

@@ -44,7 +44,7 @@ from mixedad._entry import frozen, warn_once
 from mixedad._frontend.grad_mode import ReadGradMode
 from mixedad._frontend.nesting import one_pass
 from mixedad._frontend.state import Snapshot
-from mixedad._programs.compiled import push_compiled
+from mixedad._programs.compiled import push_compiled, push_program
 from mixedad._hooks.attention_backends import differentiable_attention
 from mixedad._hooks.dual_level import dual_level_open, raised_entering_a_dual_level
 from mixedad._hooks.function_apply import routing
@@ -53,7 +53,7 @@ from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.pytree import describe, differentiable, tree_flatten
 from mixedad._hooks.tensor_kinds import shares_memory_within
 from mixedad._hooks.threads import watching_threads
-from mixedad.op_rules import REVERSE_MODE_INSIDE, SKIPPABLE, OpRules, untrusted_under_transforms
+from mixedad.op_rules import REVERSE_MODE_INSIDE, SKIPPABLE, OpRules, skipped_paths, untrusted_under_transforms
 from mixedad.op_rules._custom_functions import FunctionsUnderTransforms, ReverseMode
 from mixedad.op_rules._double_vjp import double_vjp
 from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
@@ -278,6 +278,8 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
         forward = functools.partial(_push_forward, call, G, zs, vs, strategy, recorder, cotangent)
         if compile:
             return push_compiled(call, G, zs, vs, forward)
+        if recorder is None and not skipped_paths():  # a report, or a pass told to skip rules, takes the per-op pass
+            return push_program(call, G, zs, vs, forward)
         return forward()
 
 

@@ -31,11 +31,13 @@ import torch.fx as fx
 from torch.fx.experimental.meta_tracer import MetaProxy, MetaTracer, proxys_to_metas
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["MetaTrace", "inside_function_apply", "modes_active", "DTYPE"]
+__all__ = ["MetaTrace", "inside_function_apply", "modes_active", "DTYPE", "NDIM"]
 
 #: ``node.meta[DTYPE]``: the dtype of the node's value where it is a tensor, None where it is a
 #: size or a number; absent where the trace could not tell (tuples, modules run without meta).
 DTYPE = "mixedad_dtype"
+#: ``node.meta[NDIM]``: the number of dimensions of the node's value where it is a tensor.
+NDIM = "mixedad_ndim"
 _NOT_TENSORS = (bool, int, float, str, torch.Size, torch.dtype, torch.device, torch.memory_format)
 _FUNCTION_APPLY = sys.modules["torch.autograd.function"].__file__
 
@@ -160,7 +162,7 @@ class MetaTrace(MetaTracer):
             proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
             meta = getattr(proxy, "_tensor_meta", None)
         if isinstance(meta, torch.Tensor):
-            proxy.node.meta[DTYPE] = meta.dtype
+            proxy.node.meta[DTYPE], proxy.node.meta[NDIM] = meta.dtype, meta.dim()
         elif isinstance(meta, _NOT_TENSORS):
             proxy.node.meta[DTYPE] = None
         return proxy

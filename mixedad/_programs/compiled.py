@@ -1,27 +1,29 @@
-"""``compile=True``: G's tangent program under ``torch.compile``, checked against the eager pass.
+"""Running tangent programs: the default's, eagerly, and ``compile=True``'s, compiled; both checked.
 
-Per G and per key (the inputs' shapes, strides, dtypes and devices; one tangent or a batch of k;
-which modules G holds and their train/eval modes; the CPU's oneDNN switch), the first call
+Per G and per key (:mod:`mixedad._programs.key`), the first call that takes a program
 
 1. writes G's tangent program (:mod:`mixedad._programs.program`); where G has no program, the
-   call runs eager, with a warning that names what has no rule;
-2. compiles it with ``torch.compile`` (a batch of tangents: ``torch.vmap`` of the program over its
-   tangents, compiled), says so on standard error, and times it;
-3. runs mixedad's eager pass, then the compiled program from the same random state and buffers,
-   and compares every output and every tangent (G's state then ends as the eager pass left it). A compiler that drops or changes a tangent (PyTorch's inductor
-   has: pytorch#187284, #192985) fails this check: the key runs eager from then on, with a warning.
-   The first call returns the eager pass's numbers.
+   call runs mixedad's per-op pass (with ``compile=True``, with a warning that names what has no rule);
+2. with ``compile=True``, compiles it with ``torch.compile`` (a batch of tangents: ``torch.vmap`` of
+   the program over its tangents, compiled), says so on standard error, and times it;
+3. runs mixedad's per-op pass, then the program from the same random state and buffers, and
+   compares every output and every tangent (G's state then ends as the per-op pass left it). A
+   compiler that drops or changes a tangent (PyTorch's inductor has: pytorch#187284, #192985), or
+   a program of mixedad's that differs, fails this check: the key takes the per-op pass from then
+   on, with a warning. The call returns the per-op pass's numbers.
 
-Later calls with the key run the compiled program alone. A compile or run that raises falls back
-to eager with a warning too. :func:`compiled_tangents` lists what was compiled, with compile times.
+Later calls with the key run the program alone. A compile or run that raises falls back to the
+per-op pass with a warning too. :func:`push_compiled` takes a program from a key's first call;
+:func:`push_program`, the default, from the second call with the same inputs' layouts (a G called
+once writes nothing). :func:`compiled_tangents` lists what was compiled, with compile times.
 """
+import contextlib
 import dataclasses
 import sys
 import threading
 import time
-import types
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, ContextManager, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -29,11 +31,13 @@ from torch import nn
 from mixedad._entry import warn_once
 from mixedad._frontend.state import Snapshot
 from mixedad._hooks.functorch import in_functorch_transform
+from mixedad._hooks.dispatch import only_observers_active
 from mixedad._hooks.meta_trace import modes_active
+from mixedad._programs.key import key_of
 from mixedad._programs.program import write
 from mixedad._programs.trace import Unsupported
 
-__all__ = ["CompiledTangent", "compiled_tangents", "push_compiled", "TOLERANCE"]
+__all__ = ["CompiledTangent", "compiled_tangents", "per_op_pass", "push_compiled", "push_program", "TOLERANCE"]
 
 #: Largest difference between the compiled and the eager tangent (and output), in the 2-norm
 #: relative to the eager one's, that the check accepts, by dtype. Compilers reorder sums, and
@@ -87,12 +91,18 @@ class CompiledTangent:
     spec: Any = dataclasses.field(default=None, repr=False)
     held: Any = dataclasses.field(default=None, repr=False)
     run: Any = dataclasses.field(default=None, repr=False)
+    compiled: bool = dataclasses.field(default=True, repr=False)
 
 
 _LOCK = threading.Lock()
 #: The most programs kept per G (one per key); beyond, the least recently used is dropped.
 MAX_PROGRAMS = 8
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, CompiledTangent]]" = weakref.WeakKeyDictionary()
+#: The default's programs (run without the compiler), per G and key, as ``_CACHE``.
+_EAGER: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, CompiledTangent]]" = weakref.WeakKeyDictionary()
+#: Per G and inputs' layouts (and G's own train/eval mode): "again" once the default saw them, "never" where G
+#: has no program for them.
+_SEEN: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, str]]" = weakref.WeakKeyDictionary()
 
 
 def compiled_tangents(G: nn.Module) -> List[CompiledTangent]:
@@ -117,88 +127,66 @@ def compiled_tangents(G: nn.Module) -> List[CompiledTangent]:
     return list(_CACHE.get(G, {}).values())
 
 
-_SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-#: Attributes every nn.Module has, held elsewhere in the key (tensors, submodules) or refused (hooks).
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
-
-
-def _fingerprint(value, held, depth=3, live=False):
-    """A value as the key sees it: simple values by value, containers and plain objects by their contents
-    (``depth`` levels down), tensors, modules and functions by identity. What is keyed by identity goes
-    into ``held``, which the cache entry keeps: an object it keys stays alive, so its id is never reused.
-    A tensor also by its version counter, unless ``live`` (parameters and buffers, which a program reads
-    when it runs): traced code computes with other tensors when it is written, and keeps the result."""
-    if isinstance(value, _SIMPLE):
-        return value
-    if depth and isinstance(value, (tuple, list)):
-        return type(value), tuple(_fingerprint(v, held, depth - 1) for v in value)
-    if depth and isinstance(value, dict):
-        return dict, tuple((k if isinstance(k, _SIMPLE) else _fingerprint(k, held, 0), _fingerprint(v, held, depth - 1))
-                           for k, v in value.items())
-    if (depth and not isinstance(value, (torch.Tensor, nn.Module, type, types.ModuleType)) and not callable(value)
-            and isinstance(getattr(value, "__dict__", None), dict)):
-        return type(value), _fingerprint(vars(value), held, depth - 1)  # a config object, a namespace
-    held.append(value)
-    if isinstance(value, torch.Tensor):
-        if live or value.is_inference():
-            return id(value), value.dtype, value.device
-        return id(value), value.dtype, value.device, value._version
-    return id(value), type(value)
-
-
-def _module_key(m, held, root):
-    attributes = m.__dict__
-    if m is not root:  # G itself is the cache's weak key: it is not held, and lives while its entries do
-        held.append(m)
-    tensors = [_fingerprint(t, held, live=True) for t in attributes["_parameters"].values()]
-    tensors += [None, *[_fingerprint(t, held, live=True) for t in attributes["_buffers"].values()]]
-    return (id(m), m.training, *tensors, None,
-            *[(n, _fingerprint(v, held)) for n, v in attributes.items() if n not in _MODULE_INTERNALS])
-
-
-_GLOBALS: Dict[type, Any] = {}
-
-
-def _class_key(cls, held):
-    """The attributes of a module class and its bases up to ``nn.Module`` (``scale = 2.0`` in the class body),
-    and the globals its ``forward`` names (``SCALE`` in ``x * SCALE``)."""
-    names = _GLOBALS.get(cls)
-    if names is None:
-        forward = getattr(cls.forward, "__code__", None)
-        glob = getattr(cls.forward, "__globals__", {})
-        bases = tuple(c for c in cls.__mro__ if c not in nn.Module.__mro__)
-        names = _GLOBALS[cls] = (glob, tuple(n for n in forward.co_names if n in glob) if forward else (), bases)
-    glob, used, bases = names
-    return (cls, tuple(_fingerprint(glob.get(n), held) for n in used),
-            tuple((n, _fingerprint(v, held)) for c in bases for n, v in vars(c).items() if not n.startswith("__")))
-
-
-def _key(G, zs, vs, batch):
-    """``(key, held)``: what a program is written for (the inputs' layouts; G's modules with their modes,
-    tensors and attributes; their classes' attributes and the globals their forwards name: a program reads
-    such values as they were when it was written), and the objects the key identifies by id."""
-    held: List[Any] = []
-    tensors = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (*zs, *vs))
-    modules = list(G.modules())
-    classes = sorted({type(m) for m in modules}, key=id)
-    key = (batch, tensors, tuple(_module_key(m, held, G) for m in modules),
-           tuple(_class_key(c, held) for c in classes), torch.backends.mkldnn.enabled)
-    return key, held
-
-
-def _refusal(G, zs, vs):
-    """Why this call cannot take a compiled program at all (before any key), or None."""
+def _refusal(G, zs, vs, observers=False):
+    """Why this call cannot take a program at all (before any key), or None. With ``observers``, dispatch modes
+    that only watch (``mixedad.profiling``'s byte counters: a class attribute ``observes_only``) are no reason."""
     if not isinstance(G, nn.Module):
         return f"G is a {type(G).__name__}, and tangent programs take an nn.Module"
     if in_functorch_transform():
         return "the call runs inside a torch.func transform"
-    if modes_active():
+    if modes_active() and not (observers and only_observers_active()):
         return "a torch function or dispatch mode is active"
     if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
         return "autocast is on"
     if any(type(t) is not torch.Tensor or t.layout != torch.strided for t in (*zs, *vs)):
         return "an input is a tensor subclass or not strided"
     return None
+
+
+@contextlib.contextmanager
+def _flag(name):
+    previous = getattr(_TESTING, name, False)
+    setattr(_TESTING, name, True)
+    try:
+        yield
+    finally:
+        setattr(_TESTING, name, previous)
+
+
+def programs_unchecked():
+    """For tests of the programs themselves: in this thread, the default's first call with new inputs' layouts
+    writes G's program and runs it alone, with no per-op pass to check it against."""
+    return _flag("unchecked")
+
+
+def per_op_pass() -> ContextManager[None]:
+    r"""Inside the block, in this thread, ``mixed_grad`` and ``input_grad`` take mixedad's per-op pass on every
+    call: the default's tangent programs are neither written nor run (``compile=True`` still compiles).
+
+    Both routes compute the same tangent, op after op of G, and differ by round-off only:
+
+    .. math::
+
+        \dot g = J_{\mathrm{op}_n} \cdots J_{\mathrm{op}_2} J_{\mathrm{op}_1} v
+
+    For comparing the two routes, for benchmarks of the per-op pass, and for a G whose program you want
+    to rule out while debugging. Programs already written stay cached for later calls outside the block.
+
+    Example:
+        >>> import torch, mixedad
+        >>> G = mixedad.zoo.mlp(2, 4)
+        >>> z, y, v = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
+        >>> f = lambda y, g: (y * g).sum()
+        >>> with mixedad.per_op_pass():
+        ...     for _ in range(3):
+        ...         _ = mixedad.mixed_grad(f, G, z, y, v)
+        >>> mixedad.compiled_tangents(G)  # nothing compiled, and no program written
+        []
+    """
+    return _flag("per_op")
+
+
+_TESTING = threading.local()
 
 
 def _rms(t):
@@ -270,62 +258,122 @@ def push_compiled(call, G, zs, vs, eager_push, *, batch=0):
     if refusal is not None:
         warn_once(("compile refused", call, refusal), f"mixedad: {call} with compile=True runs eager here: {refusal}.")
         return eager_push()
-    key, held = _key(G, zs, vs, batch)
-    with _LOCK:  # threads share the cache; a key's first call compiles once, the others run eager meanwhile
-        entries = _CACHE.setdefault(G, {})
+    key, held = key_of(G, zs, vs, batch)
+    entry, first = _entry(_CACHE, G, key, held, zs, batch, evicted=lambda: warn_once(
+        ("compile evicts", id(G)),
+        f"mixedad: {call} with compile=True has written {MAX_PROGRAMS} programs for {type(G).__name__} (one per "
+        f"input shape, dtype and state of G); each new one compiles again, and the least recently used is dropped. "
+        f"Keep z's shape fixed (pad the batch) to compile once."))
+    if first:
+        return _settle(_CACHE, G, zs, vs, batch, key, entry,
+                       _first_call(call, G, zs, vs, eager_push, entry, batch, compile=True))
+    return _run(call, G, zs, vs, eager_push, entry)
+
+
+def push_program(call, G, zs, vs, eager_push):
+    """``(g_leaves, tangent_leaves, spec)`` of G at zs along vs, by G's tangent program run eagerly, or by
+    ``eager_push()`` (mixedad's per-op pass).
+
+    The per-op pass is the default's first call for G and these inputs' layouts, and wherever G has
+    no program: nothing is written for a G called once. The second call writes the program, runs it
+    and the per-op pass from the same state and compares them (as ``compile=True`` does); from then
+    on the program runs alone, with no per-op dispatch. G's refusals are silent: the per-op pass is
+    mixedad's own path, not a fallback. A program that differs from the per-op pass, or raises, is
+    dropped with a warning (mixedad's own error, to report).
+    """
+    if getattr(_TESTING, "per_op", False) or _refusal(G, zs, vs, observers=True) is not None:
+        return eager_push()
+    unchecked = getattr(_TESTING, "unchecked", False)
+    layouts = (tuple((t.shape, t.stride(), t.dtype, t.device) for t in (*zs, *vs)), G.training)
+    with _LOCK:
+        seen = _SEEN.setdefault(G, {})
+        status = seen.get(layouts)
+        seen[layouts] = "again" if status is None else status
+    if status != "again" and not (unchecked and status is None):  # the first call, or G has no program for them
+        return eager_push()
+    key, held = key_of(G, zs, vs, 0)
+    entry, first = _entry(_EAGER, G, key, held, zs, 0)
+    if first:
+        result = _first_call(call, G, zs, vs, eager_push, entry, 0, compile=False, check=not unchecked)
+        if entry.program is None:  # G has no program: not looked for again with these layouts
+            with _LOCK:
+                _SEEN.setdefault(G, {})[layouts] = "never"
+        return _settle(_EAGER, G, zs, vs, 0, key, entry, result)
+    return _run(call, G, zs, vs, eager_push, entry)
+
+
+def _entry(cache, G, key, held, zs, batch, evicted=None):
+    """``(entry, first)``: G's entry for ``key`` in ``cache`` (made, if ``first``), now its most recently used."""
+    with _LOCK:  # threads share the cache; a key's first call writes once, the others run eager meanwhile
+        entries = cache.setdefault(G, {})
         entry = entries.pop(key, None)
         first = entry is None
         if first:
             if len(entries) >= MAX_PROGRAMS:
                 del entries[next(iter(entries))]  # the least recently used program of G, and its compiled code
-                warn_once(("compile evicts", id(G)),
-                          f"mixedad: {call} with compile=True has written {MAX_PROGRAMS} programs for "
-                          f"{type(G).__name__} (one per input shape, dtype and state of G); each new one compiles "
-                          f"again, and the least recently used is dropped. Keep z's shape fixed (pad the batch) "
-                          f"to compile once.")
+                if evicted is not None:
+                    evicted()
             entry = CompiledTangent([(tuple(z.shape), z.dtype) for z in zs], batch or 1)
             entry.held = held
         entries[key] = entry  # the most recently used last
-    if first:
-        result = _first_call(call, G, zs, vs, eager_push, entry, batch)
-        # The first call's snapshots put tensors back in place, which bumps their version counters: the entry
-        # is filed under the key as G now is, so that the next call finds it.
-        settled, entry.held = _key(G, zs, vs, batch)
-        if settled != key:
-            with _LOCK:
-                if entries.get(key) is entry:
-                    del entries[key]
-                    entries[settled] = entry
-        return result
+    return entry, first
+
+
+def _settle(cache, G, zs, vs, batch, key, entry, result):
+    """File ``entry`` under the key as G is after its first call, and return that call's ``result``.
+
+    The first call's snapshots put tensors back in place, which bumps their version counters: the
+    next call, with G as it is now, finds the entry."""
+    settled, entry.held = key_of(G, zs, vs, batch)
+    if settled != key:
+        with _LOCK:
+            entries = cache.get(G, {})
+            if entries.get(key) is entry:
+                del entries[key]
+                entries[settled] = entry
+    return result
+
+
+def _run(call, G, zs, vs, eager_push, entry):
+    """A later call of a key: its program, or the eager pass where it has none."""
     if entry.status != "compiled":
         return eager_push()
     try:
         with torch.no_grad():
             primals, tangents = entry.run(*zs, *vs)
-    except Exception as error:  # noqa: BLE001 - any failure of a compiled run falls back to eager
-        _fall_back(call, G, entry, f"the compiled program raised {type(error).__name__}: {error}")
+    except Exception as error:  # noqa: BLE001 - any failure of a program's run falls back to eager
+        _fall_back(call, G, entry, f"the {'compiled ' if entry.compiled else ''}program raised "
+                                   f"{type(error).__name__}: {error}")
         return eager_push()
     return list(primals), list(tangents), entry.spec
 
 
-def _fall_back(call, G, entry, reason):
+def _fall_back(call, G, entry, reason, warn=True):
     entry.status, entry.reason, entry.run = "eager", reason, None
-    warn_once(("compile fell back", id(G), reason),
-              f"mixedad: {call} with compile=True runs eager for {type(G).__name__} at inputs "
-              f"{_describe_inputs_of(entry)}: {reason}.")
+    if warn:
+        what = "with compile=True runs eager" if entry.compiled else "runs its per-op pass"
+        warn_once(("program fell back", entry.compiled, id(G), reason),
+                  f"mixedad: {call} {what} for {type(G).__name__} at inputs {_describe_inputs_of(entry)}: {reason}.")
 
 
 def _describe_inputs_of(entry):
     return ", ".join(f"{shape} {str(dtype).replace('torch.', '')}" for shape, dtype in entry.inputs)
 
 
-def _first_call(call, G, zs, vs, eager_push, entry, batch):
-    """Write, run eager, compile and run compiled from the same state, compare; G's state ends as eager left it."""
+def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
+    """Write, run eager, run the program (compiled, if ``compile``) from the same state, compare; G's state ends
+    as eager left it, and the eager numbers are returned. Without ``check`` (tests of the program itself),
+    the program alone runs, and its numbers are returned."""
+    entry.compiled = compile
     try:
-        entry.program = write(G, zs)
+        program = write(G, zs)
     except Unsupported as error:
-        _fall_back(call, G, entry, f"no tangent program ({error})")
+        _fall_back(call, G, entry, f"no tangent program ({error})", warn=compile)
         return eager_push()
+    entry.program = program
+    if not check:
+        entry.spec, entry.status, entry.run = program.spec, "compiled", _program_fn(entry, batch, len(zs))
+        return _run(call, G, zs, vs, eager_push, entry)
     before = Snapshot(G, call=call)
     try:
         g_leaves, tangent_leaves, spec = eager_push()
@@ -335,34 +383,46 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch):
     entry.spec = spec
     after = Snapshot(G, call=call)  # the random state and buffers one forward leaves
     before.restore()
-    print(f"mixedad: compiling the tangent program of {type(G).__name__} for inputs {_describe_inputs(zs)}"
-          f"{f' and {batch} tangents' if batch else ''} (once per G, shapes and dtypes) ...", file=sys.stderr,
-          flush=True)
+    if compile:
+        print(f"mixedad: compiling the tangent program of {type(G).__name__} for inputs {_describe_inputs(zs)}"
+              f"{f' and {batch} tangents' if batch else ''} (once per G, shapes and dtypes) ...", file=sys.stderr,
+              flush=True)
     start = time.perf_counter()
     try:
-        run = _compile(entry, batch, len(zs))
+        run = _compile(entry, batch, len(zs)) if compile else _program_fn(entry, batch, len(zs))
         with torch.no_grad():
             primals, tangents = run(*zs, *vs)
     except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
-        _fall_back(call, G, entry, _blame(entry, batch, zs, vs, error, before))
+        _fall_back(call, G, entry, _blame(entry, batch, zs, vs, error, before) if compile else
+                   f"mixedad's tangent program fails on these inputs ({_first_line(error)}); please report it "
+                   f"with G's code")
         after.restore()
         return g_leaves, tangent_leaves, spec
-    entry.compile_seconds = time.perf_counter() - start
+    if compile:
+        entry.compile_seconds = time.perf_counter() - start
     after.restore()
     difference = max(_differs(list(primals), g_leaves, zs), _differs(list(tangents), tangent_leaves, vs))
     entry.difference = difference
     tolerance = TOLERANCE.get(zs[0].dtype, _REDUCED)
     if not difference <= tolerance:
-        own = _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after)
+        own = _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after) if compile else difference
         culprit = ("mixedad's tangent program itself differs, run without the compiler (relative difference "
                    f"{own:.3g}); please report it with G's code" if not own <= tolerance else "a compiler bug")
-        _fall_back(call, G, entry, f"the compiled tangent differs from the eager pass (largest relative "
-                                   f"difference {difference:.3g}, tolerance {tolerance:g}): {culprit}")
+        what = "compiled tangent program differs from the eager pass" if compile else \
+            "tangent program differs from mixedad's per-op pass"
+        _fall_back(call, G, entry, f"the {what} (largest relative difference {difference:.3g}, tolerance "
+                                   f"{tolerance:g}): {culprit}")
     else:
         entry.status, entry.run = "compiled", run
-        print(f"mixedad: compiled in {entry.compile_seconds:.1f} s; matches the eager pass (largest relative "
-              f"difference {difference:.1e}).", file=sys.stderr, flush=True)
+        if compile:
+            print(f"mixedad: compiled in {entry.compile_seconds:.1f} s; matches the eager pass (largest relative "
+                  f"difference {difference:.1e}).", file=sys.stderr, flush=True)
     return g_leaves, tangent_leaves, spec
+
+
+def _first_line(error):
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after):
@@ -381,13 +441,12 @@ def _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, afte
 
 def _blame(entry, batch, zs, vs, error, before):
     """Why a compiled first run raised: mixedad's program itself (run eagerly), or the compiler."""
-    first_line = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+    first_line = _first_line(error)
     program = _program_fn(entry, batch, len(zs))
     before.restore()
     try:
         with torch.no_grad():
             program(*zs, *vs)
     except Exception as own:  # noqa: BLE001 - the program fails without the compiler too
-        return (f"mixedad's tangent program fails on these inputs ({type(own).__name__}: "
-                f"{str(own).strip().splitlines()[0][:300] if str(own).strip() else ''}); please report it with G's code")
+        return f"mixedad's tangent program fails on these inputs ({_first_line(own)}); please report it with G's code"
     return f"torch.compile failed ({first_line})"

@@ -44,6 +44,24 @@ class _Builder:
         self.graph = fx.Graph()
         self.primal, self.tangent = {}, {}
         self._tuples = set()
+        self._droppable = []
+
+    def drop_if_unused(self, node):
+        """Erase ``node`` (and the nodes only it read) from the program if nothing reads it once written."""
+        self._droppable.append(node)
+
+    def drop_unused(self):
+        for node in reversed(self._droppable):
+            self._erase_unused(node)
+
+    def _erase_unused(self, node):
+        if node.users or node.op in ("placeholder", "output"):
+            return
+        inputs = [n for n in node.all_input_nodes]
+        self.graph.erase_node(node)
+        for n in inputs:
+            if n.op == "get_attr":
+                self._erase_unused(n)
 
     def mark_tuple(self, node):
         self._tuples.add(node)
@@ -146,4 +164,5 @@ def write(G, zs):
             primals.append(leaf)
             tangents.append(None)
     graph.output((tuple(primals), tuple(tangents)))
+    builder.drop_unused()
     return Program(fx.GraphModule(traced, graph), spec, n_inputs)

@@ -13,6 +13,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from mixedad._hooks.meta_trace import NDIM
 from mixedad._programs import tangents as T
 from mixedad._programs.trace import Unsupported
 
@@ -127,8 +128,38 @@ def _batch_norm_module(e):
     m = e.module
     t = e.only_first()
     if m.training or m.running_mean is None or m.running_var is None:
+        if type(m) in _BATCH_NORMS and "forward" not in vars(m) and len(e.args) == 1 and not e.kwargs:
+            pair = e.call(T.batch_norm_module_train, e.module_node(), e.input(), t)
+            e.replace_primal(e.call(operator.getitem, pair, 0))
+            return e.call(operator.getitem, pair, 1)
         return e.call(T.batch_norm_train, e.module_node(), e.input(), t)
+    folded = _fold_into_conv(e, t)
+    if folded is not None:
+        return folded
     return e.call(T.batch_norm_eval, e.module_node(), t)
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_FOLDABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _fold_into_conv(e, t):
+    """An eval batch norm whose input's tangent is a convolution module's (that module's output: a
+    batched input, one group): the convolution with the scale folded in, beside the unscaled one, which
+    the program drops if nothing else reads it; or None."""
+    if not (isinstance(t, fx.Node) and t.op == "call_function" and t.target is T.conv and len(t.args) == 2):
+        return None
+    conv_node = e.node.args[0] if e.node.args else None
+    conv = e.builder.traced.get_submodule(conv_node.target) if isinstance(conv_node, fx.Node) and \
+        conv_node.op == "call_module" else None
+    m = e.module
+    if type(conv) not in _FOLDABLE or conv.groups != 1 or type(m) not in _BATCH_NORMS:
+        return None
+    if conv_node.meta.get(NDIM) != conv.weight.dim():  # unbatched: channels first, not where the norm reads them
+        return None
+    folded = e.call(T.conv_batch_norm_eval, t.args[0], e.module_node(), t.args[1])
+    e.builder.drop_if_unused(t)
+    return folded
 
 
 def _instance_norm_module(e):

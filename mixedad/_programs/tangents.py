@@ -20,24 +20,48 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixedad._hooks.attention_backends import fused_attention_with_lse
+from mixedad._hooks.batch_norm import batch_norm_kernels, batch_norm_tangent, batch_norm_with_statistics
 from mixedad.op_rules._attention import blockwise_tangent
-from mixedad.op_rules._frozen_layers import _batch_statistics_tangent, _eval_scale
+from mixedad.op_rules._frozen_layers import _batch_statistics_tangent, _eval_scale, _linear_tangent, folded_weight
 
 _CONV_TRANSPOSE = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
                    nn.ConvTranspose3d: F.conv_transpose3d}
 
 
 def linear(t, weight):
-    r""":math:`\dot y = \dot x W^\top`."""
-    return F.linear(t, weight)
+    r""":math:`\dot y = \dot x W^\top`: run eagerly, on the kernel mixedad's per-op rule takes (oneDNN's on the CPU in
+    float32); compiled, ``F.linear``, which the compiler lowers itself."""
+    if torch.compiler.is_compiling():
+        return F.linear(t, weight)
+    return _linear_tangent(t, weight)
 
 
-def conv(m, t):
-    """A frozen (transposed) convolution module's tangent: the module's convolution of ``t``, no bias."""
+def conv(m, t, weight=None):
+    """A frozen (transposed) convolution module's tangent: the module's convolution of ``t``, no bias
+    (with ``weight`` in place of the module's, if given)."""
+    weight = m.weight if weight is None else weight
     transpose = _CONV_TRANSPOSE.get(type(m))
     if transpose is not None:
-        return transpose(t, m.weight, None, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
-    return m._conv_forward(t, m.weight, None)
+        return transpose(t, weight, None, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
+    return m._conv_forward(t, weight, None)
+
+
+def conv_batch_norm_eval(m, bn, t):
+    r"""The tangent of an eval batch norm ``bn`` after the convolution ``m`` (exact ``nn.Conv*`` or
+    ``nn.ConvTranspose*`` classes, one group), with the batch norm's scale folded into the weight:
+
+    .. math::
+
+        \operatorname{conv}(\dot x, W) \cdot s = \operatorname{conv}(\dot x, W s), \qquad
+        s = \gamma / \sqrt{\sigma^2_{\text{running}} + \epsilon} \text{ per output channel,}
+
+    one pass over the tangent fewer. Where the scaled weight would be the larger copy (a small batch),
+    the convolution and then the scale; compiled, too (the compiler fuses the scale into the element-wise
+    kernel after the convolution, where a scaled weight would cost kernels of its own on every call)."""
+    weight = None if torch.compiler.is_compiling() else folded_weight(m, bn, t)
+    if weight is None:
+        return batch_norm_eval(bn, conv(m, t))
+    return conv(m, t, weight)
 
 
 def batch_norm_eval(m, t):
@@ -53,6 +77,26 @@ def _affine(out, weight):
 def batch_norm_train(m, x, t):
     """Batch norm over the batch's own statistics (training mode, or no running statistics)."""
     return _batch_statistics_tangent(x, t, m.weight, m.eps)
+
+
+def batch_norm_module_train(m, x, t):
+    """``(m(x), tangent)`` of an exact ``nn.BatchNorm*`` over the batch's statistics: where ``m(x)`` is PyTorch's
+    batch-norm kernel, that kernel called as ``nn.BatchNorm*.forward`` calls it (so the output and the running
+    statistics are the module's own, bit for bit), and the tangent from the statistics it hands out
+    (:func:`mixedad._hooks.batch_norm.batch_norm_tangent`, as mixedad's per-op rule); elsewhere ``m(x)`` and
+    :func:`batch_norm_train`."""
+    if not (batch_norm_kernels(x) and x.dtype in (torch.float32, torch.float64) and t.dtype == x.dtype
+            and t.shape == x.shape and x.dim() >= 2 and x.numel() > x.shape[1]):
+        return m(x), batch_norm_train(m, x, t)
+    m._check_input_dim(x)
+    factor = 0.0 if m.momentum is None else m.momentum
+    if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+        m.num_batches_tracked.add_(1)
+        factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+    keep = not m.training or m.track_running_stats  # as the module: running statistics updated where it keeps them
+    out, mean, invstd = batch_norm_with_statistics(x, m.weight, m.bias, m.running_mean if keep else None,
+                                                   m.running_var if keep else None, factor, m.eps)
+    return out, batch_norm_tangent(t, x, m.weight, mean, invstd, m.eps)
 
 
 def instance_norm(m, x, t):

@@ -15,7 +15,8 @@ computes:
 - custom ``torch.autograd.Function``\\ s (a trace sees their forward, never their backward, which
   is the meaning);
 - hooks on any module, or in the process (a trace never runs them);
-- a forward that sets its own attributes (``self.calls += 1``, a cache): the trace runs it once;
+- a forward that sets its own attributes or writes into its parameters or buffers
+  (``self.calls += 1``, a cache): the trace runs it once;
 - in-place writes into tensors and random draws (:mod:`mixedad._programs.rules`);
 - a G that is not an ``nn.Module``, data-dependent control flow, or any other failure of the trace.
 """
@@ -76,6 +77,24 @@ def _attributes_written(snapshot):
 _ABSENT = object()
 
 
+def _versions(G):
+    """``{(module name, tensor name): (tensor, version)}`` of every parameter and buffer of G's modules."""
+    return {(name, key): (t, t._version) for name, m in G.named_modules()
+            for key, t in [*m._parameters.items(), *m._buffers.items()] if t is not None}
+
+
+def _tensors_written(G, before):
+    """The first parameter or buffer the trace replaced or wrote into (``self.calls += 1`` on a buffer, which
+    the trace runs on the tensor itself), or None."""
+    now = _versions(G)
+    for (name, key), (t, version) in before.items():
+        if (name, key) not in now or now[(name, key)][0] is not t or t._version != version:
+            return f"{name or type(G).__name__}.{key}"
+    for name, key in now.keys() - before.keys():
+        return f"{name or type(G).__name__}.{key}"
+    return None
+
+
 def trace(G, zs):
     """G's ``torch.fx.GraphModule`` for inputs shaped as ``zs`` (sharing G's modules and parameters).
 
@@ -104,12 +123,13 @@ def trace(G, zs):
     # torch.fx patches torch while it traces (nn.Module.__call__ among others): mixedad's passes in other
     # threads wait for the trace, as they wait for each other's forward-AD level.
     with FORWARD_PASS_LOCK:
-        own = set(vars(G))
+        own = {m: set(vars(m)) for m in G.modules()}
         snapshot = Snapshot(G)
+        versions = _versions(G)
         try:
             with torch.enable_grad(), torch.inference_mode(False):
                 graph = MetaTrace(_before_each_node, lambda m: type(m) in MODULES).run(G, meta, concrete)
-            written = _attributes_written(snapshot)
+            written = _attributes_written(snapshot) or _tensors_written(G, versions)
             if written:
                 raise Unsupported(f"G's forward sets the attribute {written} (a counter, a cache), which a program, "
                                   f"written once, would not set again")
@@ -121,5 +141,8 @@ def trace(G, zs):
                               f"{str(error).splitlines()[0][:200]})") from error
         finally:
             snapshot.restore()
-            for name in set(vars(G)) - own:  # the trace keeps tensors G makes as attributes of G: the program
-                delattr(G, name)  # holds its own copies of them
+            # The trace keeps tensors G makes as attributes of G (the program holds its own copies of them), and a
+            # forward that stores a value on a module (a cache) stores the trace's proxy: neither stays.
+            for m, names in own.items():
+                for name in set(vars(m)) - names:
+                    delattr(m, name)

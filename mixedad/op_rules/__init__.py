@@ -76,7 +76,8 @@ from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, pack
 from mixedad.op_rules._user import register, unregister
 
 __all__ = [
-    "Path", "PATHS", "SKIPPABLE", "Rule", "OpCall", "TABLE", "register", "unregister", "skipping", "op_name",
+    "Path", "PATHS", "SKIPPABLE", "Rule", "OpCall", "TABLE", "register", "unregister", "skipping", "skipped_paths",
+    "op_name",
     "OpRules", "PathRecorder", "OpRuleError", "UnderTransformError", "FunctionUnderTransformError",
     "KNOWN_WRONG", "DROPS_TANGENT", "NO_FORMULA", "forget_failures",
 ]
@@ -125,6 +126,11 @@ def skipping(*paths: Union[Path, str]) -> Iterator[None]:
         yield
     finally:
         _settings.skip = previous
+
+
+def skipped_paths() -> Tuple[Path, ...]:
+    """The paths that :func:`skipping` keeps passes of this thread from taking now (empty outside it)."""
+    return tuple(getattr(_settings, "skip", ()))
 
 
 def untrusted_under_transforms(func: Any) -> Optional[str]:

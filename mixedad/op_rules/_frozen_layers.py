@@ -212,14 +212,23 @@ def _fold(op):
             or bn.running_mean is None or forward_hooks(conv, bn)
             or "forward" in vars(conv) or "forward" in vars(bn)):  # a forward replaced on the instance
         return None
-    if conv.weight.numel() * FOLD_RATIO > op.tangents["input"].numel():
-        return None  # the folded weight, a copy, would cost more memory than the scaling pass it saves
+    weight = folded_weight(conv, bn, op.tangents["input"])
+    return None if weight is None else (weight, bn)
+
+
+def folded_weight(conv, bn, x_tangent):
+    """``conv``'s weight times eval ``bn``'s scale per output channel (``conv`` an exact ``nn.Conv*`` or
+    ``nn.ConvTranspose*`` of one group), or None: where the two do not match (channels, dtype), or where
+    the copy would cost more memory than the scaling pass over ``x_tangent`` it saves (:data:`FOLD_RATIO`)."""
+    if conv.weight.numel() * FOLD_RATIO > x_tangent.numel():
+        return None
+    dim = _CONVOLUTIONS[type(conv)]
     scale = _eval_scale(bn.running_var, bn.weight, bn.eps)
     if scale.shape[0] != conv.weight.shape[dim] or scale.dtype != conv.weight.dtype:
         return None
     shape = [1] * conv.weight.dim()
     shape[dim] = -1
-    return conv.weight * scale.reshape(shape), bn
+    return conv.weight * scale.reshape(shape)
 
 
 def _folded_into(x_tangent, bound):

@@ -1,5 +1,7 @@
-"""Helpers for the tangent-program tests: a program's tangent against double backward's."""
+"""Helpers for the tangent-program tests: a program's tangent against double backward's, and small problems."""
 import torch
+
+import mixedad
 
 from mixedad._frontend.state import Snapshot
 from mixedad.reference import differentiable_attention
@@ -47,3 +49,20 @@ def assert_program_matches(G, *zs, tol=1e-10):
     for t, e in zip(tangents, expected):
         scale = max(e.abs().max().item(), 1.0)
         assert (t - e).abs().max().item() <= tol * scale, (t - e).abs().max().item()
+
+
+D = torch.float64
+
+
+def f(y, g):
+    """The tests' objective: cubic, so that its second derivative depends on g."""
+    return ((y + g) ** 3).sum()
+
+
+def problem(G, batch=3, seed=0):
+    """``(z, y, v)`` in float64 for a zoo member G (``zoo.latent_shape``)."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(*mixedad.zoo.latent_shape(G, batch), dtype=D, generator=gen)
+    with torch.no_grad():
+        shape = G(z).shape
+    return z, torch.randn(shape, dtype=D, generator=gen), torch.randn(z.shape, dtype=D, generator=gen)

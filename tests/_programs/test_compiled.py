@@ -11,21 +11,8 @@ from torch import nn
 import mixedad
 from mixedad._programs import compiled
 from mixedad.reference import double_backward_mixed_grad
-
-D = torch.float64
-
-
-def f(y, g):
-    return ((y + g) ** 3).sum()
-
-
-def _problem(G, batch=3, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    z = torch.randn(*mixedad.zoo.latent_shape(G, batch), dtype=D, generator=gen)
-    with torch.no_grad():
-        shape = G(z).shape
-    return z, torch.randn(shape, dtype=D, generator=gen), torch.randn(z.shape, dtype=D, generator=gen)
-
+from tests._programs.common import D, f
+from tests._programs.common import problem as _problem
 
 UNSUPPORTED = {"transformer_layer": "TransformerEncoderLayer", "stylegan2_ada": "custom torch.autograd.Function"}
 

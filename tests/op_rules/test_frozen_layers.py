@@ -179,14 +179,16 @@ def test_onednn_probe_leaves_the_rng_alone():
 
 
 def test_benchmark_strategy_without_onednn_takes_the_blas_and_agrees(onednn_spy):
+    import mixedad
     from mixedad import benchmark, zoo
 
     real, calls = onednn_spy
     G = zoo.mlp(3, 16)
     z, y, v = torch.randn(4, 16), torch.randn(4, 16), torch.randn(4, 16)
-    without = benchmark.STRATEGIES["mixed_grad_no_onednn"](benchmark.objective, G, z, y, v)
-    assert calls == []
-    with_onednn = benchmark.STRATEGIES["mixed_grad"](benchmark.objective, G, z, y, v)
+    with mixedad.per_op_pass():  # the per-op pass's calls, one per layer (a second call would check G's program too)
+        without = benchmark.STRATEGIES["mixed_grad_no_onednn"](benchmark.objective, G, z, y, v)
+        assert calls == []
+        with_onednn = benchmark.STRATEGIES["mixed_grad"](benchmark.objective, G, z, y, v)
     assert len(calls) == (3 if real is not None else 0)
     assert_close(with_onednn, without, rtol=1e-5)
     assert torch.backends.mkldnn.enabled  # the strategy restored the flag
@@ -524,9 +526,10 @@ def test_the_fold_leaves_the_peak_exactly_as_without_it(depth, width, batch, mon
     folds = []
     real = _frozen_layers._folded_into
     monkeypatch.setattr(_frozen_layers, "_folded_into", lambda *a: folds.append(real(*a)) or folds[-1])
-    _, with_fold = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
-    monkeypatch.setattr(_frozen_layers, "_fold", lambda op: None)
-    _, without = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
+    with mixedad.per_op_pass():  # the per-op pass's fold (tangent programs fold on their own: tests/_programs)
+        _, with_fold = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
+        monkeypatch.setattr(_frozen_layers, "_fold", lambda op: None)
+        _, without = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
     assert with_fold == without
     if (depth, width, batch) == (4, 32, 32):
         assert any(folds)  # the benchmark's DCGAN does fold

@@ -1,0 +1,98 @@
+"""What a tangent program is written for: its key.
+
+A program holds for one set of input shapes, strides, dtypes and devices, one number of tangents
+(0: one tangent, k: a batch of k), and G as it is when it is written: which modules, in which
+train/eval mode, with which parameters and buffers (by identity and dtype; a program reads their
+values when it runs), every other attribute of each module (numbers and strings by value,
+containers and config objects by their contents, tensors by identity and version, anything else
+by identity), the attributes of each module's class and the globals its ``forward`` names, and
+the CPU's oneDNN switch. A change to any of them gives another key, and another program.
+
+Objects the key identifies by id are returned with it (``held``) and kept alive by the cache
+entry, so that an id is never reused by another object while the key is in use. The key is
+computed on every call that may take a program, so the common values take the shortest paths.
+"""
+import types
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+__all__ = ["key_of"]
+
+_SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+_SIMPLE_TYPES = frozenset(_SIMPLE)
+#: Attributes every nn.Module has, held elsewhere in the key (tensors, submodules) or refused (hooks).
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _fingerprint(value, held, depth=3, live=False):
+    """A value as the key sees it: simple values by value, containers and plain objects by their contents
+    (``depth`` levels down), tensors, modules and functions by identity. What is keyed by identity goes
+    into ``held``, which the cache entry keeps: an object it keys stays alive, so its id is never reused.
+    A tensor also by its version counter, unless ``live`` (parameters and buffers, which a program reads
+    when it runs): traced code computes with other tensors when it is written, and keeps the result."""
+    kind = type(value)
+    if kind in _SIMPLE_TYPES:  # the common cases first: the key is computed on every call
+        return value
+    if kind is tuple and all(type(v) in _SIMPLE_TYPES for v in value):
+        return tuple, value
+    if isinstance(value, _SIMPLE):
+        return value
+    if depth and isinstance(value, (tuple, list)):
+        return type(value), tuple(_fingerprint(v, held, depth - 1) for v in value)
+    if depth and isinstance(value, dict):
+        return dict, tuple((k if isinstance(k, _SIMPLE) else _fingerprint(k, held, 0), _fingerprint(v, held, depth - 1))
+                           for k, v in value.items())
+    if (depth and not isinstance(value, (torch.Tensor, nn.Module, type, types.ModuleType)) and not callable(value)
+            and isinstance(getattr(value, "__dict__", None), dict)):
+        return type(value), _fingerprint(vars(value), held, depth - 1)  # a config object, a namespace
+    held.append(value)
+    if isinstance(value, torch.Tensor):
+        if live or value.is_inference():
+            return id(value), value.dtype, value.device
+        return id(value), value.dtype, value.device, value._version
+    return id(value), type(value)
+
+
+def _module_key(m, held, root):
+    attributes = m.__dict__
+    if m is not root:  # G itself is the cache's weak key: it is not held, and lives while its entries do
+        held.append(m)
+    parameters, buffers = attributes["_parameters"].values(), attributes["_buffers"].values()
+    held.extend(parameters)
+    held.extend(buffers)
+    # Parameters and buffers are read live by a program: by identity, dtype and device (as _fingerprint's live).
+    return (id(m), m.training, *[None if t is None else (id(t), t.dtype, t.device) for t in parameters], None,
+            *[None if t is None else (id(t), t.dtype, t.device) for t in buffers], None,
+            *[(n, type(v), _fingerprint(v, held)) for n, v in attributes.items() if n not in _MODULE_INTERNALS])
+
+
+_GLOBALS: Dict[type, Any] = {}
+
+
+def _class_key(cls, held):
+    """The attributes of a module class and its bases up to ``nn.Module`` (``scale = 2.0`` in the class body),
+    and the globals its ``forward`` names (``SCALE`` in ``x * SCALE``)."""
+    names = _GLOBALS.get(cls)
+    if names is None:
+        forward = getattr(cls.forward, "__code__", None)
+        glob = getattr(cls.forward, "__globals__", {})
+        bases = tuple(c for c in cls.__mro__ if c not in nn.Module.__mro__)
+        names = _GLOBALS[cls] = (glob, tuple(n for n in forward.co_names if n in glob) if forward else (), bases)
+    glob, used, bases = names
+    return (cls, tuple(_fingerprint(glob.get(n), held) for n in used),
+            tuple((n, _fingerprint(v, held)) for c in bases for n, v in vars(c).items() if not n.startswith("__")))
+
+
+def key_of(G, zs, vs, batch):
+    """``(key, held)``: what a program is written for (the inputs' layouts; G's modules with their modes,
+    tensors and attributes; their classes' attributes and the globals their forwards name: a program reads
+    such values as they were when it was written), and the objects the key identifies by id."""
+    held: List[Any] = []
+    tensors = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (*zs, *vs))
+    modules = list(G.modules())
+    classes = sorted({type(m) for m in modules}, key=id)
+    key = (batch, tensors, tuple(_module_key(m, held, G) for m in modules),
+           tuple(_class_key(c, held) for c in classes), torch.backends.mkldnn.enabled)
+    return key, held

@@ -1,0 +1,229 @@
+"""The default's tangent programs (``mixed_grad`` without ``compile=True``): the route, and every seam case.
+
+The default runs G's tangent program eagerly from the third call with the same inputs' layouts
+(:func:`mixedad._programs.compiled.push_program`), after checking it once against the per-op pass.
+Here each seam case of ``tests/test_seams.py`` and ``tests/test_seams_more.py`` runs with the program
+written and run from the first call, unchecked (``programs_unchecked``), so that the program's own
+numbers, its refusals and what it leaves behind (buffers, random state, flags) meet the same verdict
+as the per-op pass: exact against double backward, or refused with the case's message, with no leak.
+Below them, the route itself: which call writes, checks and runs; every zoo generator call after
+call against double backward (and its buffers against plain forwards); a wrong or failing program
+dropped with a warning; what a trace must refuse or clean up; the program's exact peak bytes.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixedad
+from mixedad._programs import compiled, rules
+from mixedad._programs.compiled import programs_unchecked
+from mixedad.reference import double_backward_mixed_grad
+from tests import test_seams, test_seams_more
+from tests._programs.common import D, f
+from tests._programs.common import problem as _problem
+from tests.seams_common import cases_with_open_marked
+from tests.test_seams_more import InPlaceCounter
+
+#: As in the seam modules: warnings are part of each case's verdict (its messages), not errors here.
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _params(module):
+    for c in cases_with_open_marked(module.CASES, module.OPEN):
+        if isinstance(c, type(pytest.param(None))):  # an open case: marked as in its own module
+            yield pytest.param(module, c.values[0], marks=c.marks, id=f"{_short(module)}-{c.values[0].name}")
+        else:
+            yield pytest.param(module, c, id=f"{_short(module)}-{c.name}")
+
+
+def _short(module):
+    return module.__name__.rsplit(".", 1)[-1]
+
+
+@pytest.mark.parametrize("module, c", [*_params(test_seams), *_params(test_seams_more)])
+def test_seam_through_the_program(module, c):
+    with programs_unchecked():
+        module.check(c)
+
+
+# --- the route itself ----------------------------------------------------------------------------
+
+
+#: Zoo members without a tangent program, and why (they take the per-op pass on every call).
+NO_PROGRAM = {"transformer_layer": "TransformerEncoderLayer", "stylegan2_ada": "custom torch.autograd.Function"}
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("name", sorted(mixedad.zoo.MEMBERS))
+def test_every_zoo_generator_by_the_default_equals_double_backward_call_after_call(name, mode):
+    """Calls 1 (per-op pass), 2 (the check) and 3, 4 (the program alone) against double backward in float64, and
+    G's buffers after them against four plain forwards (train mode updates running statistics)."""
+    G = mixedad.zoo.MEMBERS[name](dtype=D).train(mode == "train")
+    twin = mixedad.zoo.MEMBERS[name](dtype=D).train(mode == "train")
+    z, y, v = _problem(G)
+    twin.load_state_dict(G.state_dict())  # after _problem's forward
+    for call in range(4):
+        reference = double_backward_mixed_grad(f, copy.deepcopy(twin), z, y, v)
+        ours = mixedad.mixed_grad(f, G, z, y, v)
+        with torch.no_grad():
+            twin(z)  # G's buffers end as one plain forward leaves them
+        scale = reference.abs().max()
+        assert (ours - reference).abs().max() <= 1e-9 * scale, f"call {call + 1}"
+        for (key, mine), theirs in zip(G.state_dict().items(), twin.state_dict().values()):
+            assert torch.equal(mine, theirs), f"call {call + 1}: buffer {key}"
+    [entry] = compiled._EAGER[G].values()
+    if name in NO_PROGRAM:
+        assert entry.status == "eager" and NO_PROGRAM[name] in entry.reason
+    else:
+        assert entry.status == "compiled", entry.reason
+
+
+def _counting_runs(monkeypatch):
+    runs = []
+    real = compiled._run
+
+    def counted(call, G, zs, vs, eager_push, entry):
+        runs.append(entry.status)
+        return real(call, G, zs, vs, eager_push, entry)
+
+    monkeypatch.setattr(compiled, "_run", counted)
+    return runs
+
+
+def test_the_first_call_writes_nothing_the_second_checks_and_later_ones_run_the_program(monkeypatch):
+    G = mixedad.zoo.mlp(3, 8, dtype=D)
+    z, y, v = _problem(G)
+    writes = []
+    real_write = compiled.write
+    monkeypatch.setattr(compiled, "write", lambda *a: writes.append(1) or real_write(*a))
+    runs = _counting_runs(monkeypatch)
+    mixedad.mixed_grad(f, G, z, y, v)
+    assert writes == [] and G not in compiled._EAGER
+    mixedad.mixed_grad(f, G, z, y, v)
+    assert writes == [1] and runs == []
+    [entry] = compiled._EAGER[G].values()
+    assert entry.status == "compiled" and entry.difference <= 1e-12 and not entry.compiled
+    mixedad.mixed_grad(f, G, z, y, v)
+    mixedad.mixed_grad(f, G, z, y, v)
+    assert writes == [1] and runs == ["compiled", "compiled"]
+    z2, y2, v2 = _problem(G, batch=5)  # new layouts: the per-op pass first again
+    mixedad.mixed_grad(f, G, z2, y2, v2)
+    assert writes == [1]
+
+
+def test_a_program_that_differs_from_the_per_op_pass_is_dropped_with_a_warning(monkeypatch):
+    G = mixedad.zoo.mlp(3, 8, dtype=D, activation="relu")
+    z, y, v = _problem(G)
+    per_op = mixedad.mixed_grad(f, G, z, y, v)
+    wrong = rules._pointwise_module(lambda t, x, y_, params: 2 * torch.ops.aten.threshold_backward(t, y_, 0), ())
+    monkeypatch.setitem(rules.MODULES, nn.ReLU, wrong)  # a rule with a wrong tangent, as a bug would write
+    with pytest.warns(RuntimeWarning, match="tangent program differs from mixedad's per-op pass .*please report"):
+        second = mixedad.mixed_grad(f, G, z, y, v)
+    third = mixedad.mixed_grad(f, G, z, y, v)
+    assert torch.equal(second, per_op) and torch.equal(third, per_op)
+    [entry] = compiled._EAGER[G].values()
+    assert entry.status == "eager"
+
+
+def test_a_program_that_raises_later_falls_back_to_the_per_op_pass_with_a_warning(monkeypatch):
+    G = mixedad.zoo.mlp(3, 8, dtype=D)
+    z, y, v = _problem(G)
+    per_op = [mixedad.mixed_grad(f, G, z, y, v) for _ in range(2)][0]
+    [entry] = compiled._EAGER[G].values()
+
+    def broken(*args):
+        raise RuntimeError("broken on purpose")
+
+    entry.run = broken
+    with pytest.warns(RuntimeWarning, match="runs its per-op pass .*broken on purpose"):
+        assert torch.equal(mixedad.mixed_grad(f, G, z, y, v), per_op)
+    assert entry.status == "eager"
+
+
+@pytest.mark.filterwarnings("ignore:mixedad. mixed_grad.* with compile=True runs eager")
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("reassign", [False, True])
+def test_a_forward_that_writes_its_buffer_gets_no_program_and_stays_exact(reassign, compile):
+    """Found reviewing the default route: the trace ran ``self.calls += 1`` on the buffer itself, so the check
+    passed and every later compiled call was 17% off with the counter stuck (compile=True before this)."""
+    G, twin = InPlaceCounter(reassign).eval(), InPlaceCounter(reassign).eval()  # writes into its own buffer
+    twin.load_state_dict(G.state_dict())
+    z, y, v = torch.randn(4, 5, dtype=D), torch.randn(4, 4, dtype=D), torch.randn(4, 5, dtype=D)
+    for call in range(4):
+        reference = double_backward_mixed_grad(f, twin, z, y, v)
+        ours = mixedad.mixed_grad(f, G, z, y, v, compile=compile)
+        assert torch.allclose(ours, reference, rtol=1e-12, atol=0), f"call {call + 1}"
+        assert G.calls.item() == call + 1
+    entries = (compiled._CACHE if compile else compiled._EAGER)[G].values()  # reassigned: a new buffer, a new key
+    assert entries and all(e.status == "eager" and "calls" in e.reason for e in entries)
+
+
+class _Cache(nn.Module):
+    """Keeps a tensor between calls: a trace stores its proxy there."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.cache = nn.Linear(5, 4, dtype=D), None
+
+    def forward(self, z):
+        h = self.lin(z)
+        if self.cache is not None:
+            h = h + 0.7 * self.cache.mean(0)
+        self.cache = h.detach()
+        return torch.tanh(h)
+
+
+@pytest.mark.filterwarnings("ignore:mixedad. mixed_grad.* with compile=True runs eager")
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_refused_trace_leaves_no_proxy_in_an_attribute(compile):
+    """Found reviewing the default route: after a trace refused ``self.cache = h``, the cache held the trace's
+    proxy, and G's next call crashed."""
+    G = _Cache().eval()
+    z, y, v = torch.randn(4, 5, dtype=D), torch.randn(4, 4, dtype=D), torch.randn(4, 5, dtype=D)
+    for _ in range(3):
+        mixedad.mixed_grad(f, G, z, y, v, compile=compile)
+        assert type(G.cache) is torch.Tensor
+    G(z)  # and G still runs
+
+
+def test_the_program_peak_is_flat_in_depth_and_no_higher_than_the_per_op_pass():
+    """Exact bytes, under mixedad.profiling (which the default's programs run under): the third call runs G's
+    program."""
+    from mixedad.benchmark import build, objective
+    from mixedad.profiling import peak_memory
+
+    for model, width, batch in [("dcgan", 8, 4), ("mlp", 32, 8), ("resnet", 8, 4), ("vq_decoder", 8, 2)]:
+        peaks = {}
+        for depth in (1, 4):
+            for mode in ("eval", "train") if model == "dcgan" else ("eval",):
+                G, z, y, v = build(model, depth, width, batch, torch.float64, "cpu")
+                G.train(mode == "train").requires_grad_(False)
+                with mixedad.per_op_pass():
+                    _, per_op = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
+                for _ in range(2):
+                    mixedad.mixed_grad(objective, G, z, y, v)
+                [entry] = compiled._EAGER[G].values()
+                assert entry.status == "compiled", (model, entry.reason)
+                _, program = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
+                assert program <= per_op, (model, depth, mode, program, per_op)
+                peaks[depth, mode] = program
+        for mode in {m for _, m in peaks}:
+            assert peaks[1, mode] == peaks[4, mode], (model, mode, peaks)
+
+
+def test_per_op_pass_keeps_programs_out_and_ends_with_its_block_even_on_error():
+    G = mixedad.zoo.mlp(3, 8, dtype=D)
+    z, y, v = _problem(G)
+    with mixedad.per_op_pass():
+        for _ in range(3):
+            mixedad.mixed_grad(f, G, z, y, v)
+    assert G not in compiled._EAGER
+    with pytest.raises(ZeroDivisionError), mixedad.per_op_pass():
+        1 / 0
+    for _ in range(2):  # outside, a first call and a second that writes and checks the program
+        mixedad.mixed_grad(f, G, z, y, v)
+    [entry] = compiled._EAGER[G].values()
+    assert entry.status == "compiled"
