@@ -72,7 +72,7 @@ def hand_jvp(G):
             elif isinstance(m, nn.Tanh):
                 x = torch.tanh(x)
                 t = t * (1 - x * x)
-            elif type(m).__name__ == "_Reshape":  # the zoo's latent-to-map reshape: linear, shape only
+            elif isinstance(m, nn.Unflatten):  # the zoo's latent-to-map reshape: linear, shape only
                 x, t = m(x), m(t)
             else:
                 raise TypeError(f"hand JVP: no tangent for {type(m).__name__}")

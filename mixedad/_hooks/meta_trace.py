@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.fx.experimental.meta_tracer import MetaProxy, MetaTracer, proxys_to_metas
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["MetaTrace", "inside_function_apply", "modes_active", "DTYPE", "NDIM"]
+__all__ = ["MetaTrace", "forward_on_meta", "inside_function_apply", "modes_active", "DTYPE", "NDIM"]
 
 #: ``node.meta[DTYPE]``: the dtype of the node's value where it is a tensor, None where it is a
 #: size or a number; absent where the trace could not tell (tuples, modules run without meta).
@@ -80,6 +80,18 @@ def inside_function_apply(since=None):
 def modes_active():
     """Whether a torch function mode or a dispatch mode is active on this thread."""
     return torch._C._is_torch_function_mode_enabled() or bool(torch._C._len_torch_dispatch_stack())
+
+
+def forward_on_meta(module, args, kwargs=None):
+    """``module``'s forward on meta ``args``, or None where it fails: run on a shallow copy with meta parameters and
+    buffers, so that G's module, which other threads may run, is not touched."""
+    clone = copy.copy(module)
+    clone.__dict__["_parameters"] = {n: None if t is None else t.to("meta") for n, t in module._parameters.items()}
+    clone.__dict__["_buffers"] = {n: None if t is None else t.to("meta") for n, t in module._buffers.items()}
+    try:
+        return type(module).forward(clone, *args, **(kwargs or {}))
+    except Exception:  # noqa: BLE001 - no meta value: the node's dtype stays unknown
+        return None
 
 
 class _Proxy(MetaProxy):
@@ -171,15 +183,12 @@ class MetaTrace(MetaTracer):
         module = self.root.get_submodule(target)
         if not self._meta_modules(module):
             return None
-        # A shallow copy with meta parameters and buffers: G's module, which other threads may run, is not touched.
-        clone = copy.copy(module)
-        clone.__dict__["_parameters"] = {n: None if t is None else t.to("meta") for n, t in module._parameters.items()}
-        clone.__dict__["_buffers"] = {n: None if t is None else t.to("meta") for n, t in module._buffers.items()}
         self._disable_module_getattr = self._meta_run = True
         try:
-            return type(module).forward(clone, *fx.node.map_aggregate(args, proxys_to_metas),
-                                        **fx.node.map_aggregate(kwargs, proxys_to_metas))
-        except Exception:  # noqa: BLE001 - no meta value: the node's dtype stays unknown
-            return None
+            metas = fx.node.map_aggregate(args, proxys_to_metas), fx.node.map_aggregate(kwargs, proxys_to_metas)
+        except Exception:  # noqa: BLE001 - an argument without a meta value: the node's dtype stays unknown
+            metas = None
+        try:
+            return None if metas is None else forward_on_meta(module, *metas)
         finally:
             self._disable_module_getattr = self._meta_run = False

@@ -11,7 +11,9 @@ What this relies on in torch (pinned by ``tests/_hooks/test_module_hooks.py``):
 from torch.nn.modules import module as _module_globals
 from torch.nn.modules._functions import BackwardHookFunction
 
-__all__ = ["BackwardHookFunction", "backward_hooks"]
+__all__ = ["BackwardHookFunction", "backward_hooks", "hook_handles", "global_hook_handles"]
+
+_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def backward_hooks(modules):
@@ -19,3 +21,14 @@ def backward_hooks(modules):
     if _module_globals._global_backward_hooks or _module_globals._global_backward_pre_hooks:
         return True
     return any(m._backward_hooks or m._backward_pre_hooks for m in modules)
+
+
+def hook_handles(module):
+    """The ids of ``module``'s forward, forward pre-, backward and backward pre-hooks, by kind (a handle's id is
+    never reused: a hook removed and another added give other ids)."""
+    return tuple(tuple(getattr(module, kind)) for kind in _KINDS)
+
+
+def global_hook_handles():
+    """The ids of the process's global module hooks, as :func:`hook_handles`."""
+    return tuple(tuple(getattr(_module_globals, f"_global{kind}")) for kind in _KINDS)

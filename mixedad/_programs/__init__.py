@@ -4,8 +4,9 @@ Where G's forward can be traced in full (``torch.fx``, with the inputs' shapes) 
 whose input carries a tangent has a rule here, mixedad writes one program that computes G(z) and
 its tangent together, from G's own calls and the tangent rules of
 :mod:`mixedad._programs.tangents`. ``mixed_grad`` and ``input_grad``'s backward run it eagerly
-from the third call with the same inputs' layouts, after checking it against mixedad's per-op pass
-on the second; ``compile=True`` (on ``mixed_grad``, ``input_grad`` and ``mixed_jacobian``) compiles
+where G is an ``nn.Sequential`` chain of ``torch.nn`` layers (written from the layers, without a
+trace), from the third call with the same inputs' layouts, after checking it against mixedad's
+per-op pass on the second; ``compile=True`` (on ``mixed_grad``, ``input_grad`` and ``mixed_jacobian``) compiles
 it with ``torch.compile``, checks it on its first call, and runs it from then on
 (:mod:`mixedad._programs.compiled`).
 

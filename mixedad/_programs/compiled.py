@@ -47,6 +47,10 @@ __all__ = ["CompiledTangent", "compiled_tangents", "per_op_pass", "push_compiled
 #: program 4.5e-3, 2.5e-3 apart. A dropped tangent differs by 1, a dropped term by its share.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-2}
 _REDUCED = 1e-1
+#: The same for the default's programs, which run the per-op pass's kernels without a compiler: only the
+#: order of a few operations differs (the batch-norm scale in the weight), so the bound is round-off.
+EAGER_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
+_EAGER_REDUCED = 3e-2
 #: Outputs and tangents whose root mean square lies below this many epsilons of the inputs' are
 #: round-off (zero in exact arithmetic), compared by that bound and not relative to themselves.
 ROUND_OFF = 1000
@@ -100,8 +104,9 @@ MAX_PROGRAMS = 8
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, CompiledTangent]]" = weakref.WeakKeyDictionary()
 #: The default's programs (run without the compiler), per G and key, as ``_CACHE``.
 _EAGER: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, CompiledTangent]]" = weakref.WeakKeyDictionary()
-#: Per G and inputs' layouts (and G's own train/eval mode): "again" once the default saw them, "never" where G
-#: has no program for them.
+#: Per G and inputs' layouts (and its modules' train/eval modes): "again" once the default saw them, "never" where
+#: G has no program for them; at most :data:`MAX_SEEN` per G, the least recently seen dropped.
+MAX_SEEN = 64
 _SEEN: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, str]]" = weakref.WeakKeyDictionary()
 
 
@@ -140,17 +145,19 @@ def _refusal(G, zs, vs, observers=False):
         return "autocast is on"
     if any(type(t) is not torch.Tensor or t.layout != torch.strided for t in (*zs, *vs)):
         return "an input is a tensor subclass or not strided"
+    if any(t.device.type == "meta" for t in (*zs, *vs)):
+        return "an input is on the meta device (a memory plan)"
     return None
 
 
 @contextlib.contextmanager
 def _flag(name):
-    previous = getattr(_TESTING, name, False)
-    setattr(_TESTING, name, True)
+    previous = getattr(_SWITCHES, name, False)
+    setattr(_SWITCHES, name, True)
     try:
         yield
     finally:
-        setattr(_TESTING, name, previous)
+        setattr(_SWITCHES, name, previous)
 
 
 def programs_unchecked():
@@ -186,7 +193,7 @@ def per_op_pass() -> ContextManager[None]:
     return _flag("per_op")
 
 
-_TESTING = threading.local()
+_SWITCHES = threading.local()
 
 
 def _rms(t):
@@ -274,20 +281,26 @@ def push_program(call, G, zs, vs, eager_push):
     """``(g_leaves, tangent_leaves, spec)`` of G at zs along vs, by G's tangent program run eagerly, or by
     ``eager_push()`` (mixedad's per-op pass).
 
-    The per-op pass is the default's first call for G and these inputs' layouts, and wherever G has
-    no program: nothing is written for a G called once. The second call writes the program, runs it
+    Programs are written here only for an ``nn.Sequential`` chain of ``torch.nn`` layers
+    (:func:`mixedad._programs.trace.chain`): no code of the user's is traced, so nothing it reads
+    outside the key can go stale. The per-op pass is the default's first call for G and these inputs'
+    layouts, and every call of any other G: nothing is written for a G called once. The second call writes the program, runs it
     and the per-op pass from the same state and compares them (as ``compile=True`` does); from then
     on the program runs alone, with no per-op dispatch. G's refusals are silent: the per-op pass is
     mixedad's own path, not a fallback. A program that differs from the per-op pass, or raises, is
     dropped with a warning (mixedad's own error, to report).
     """
-    if getattr(_TESTING, "per_op", False) or _refusal(G, zs, vs, observers=True) is not None:
-        return eager_push()
-    unchecked = getattr(_TESTING, "unchecked", False)
-    layouts = (tuple((t.shape, t.stride(), t.dtype, t.device) for t in (*zs, *vs)), G.training)
+    if type(G) is not nn.Sequential or getattr(_SWITCHES, "per_op", False) or \
+            _refusal(G, zs, vs, observers=True) is not None:
+        return eager_push()  # any other G: no program (see chain), and no key computed
+    unchecked = getattr(_SWITCHES, "unchecked", False)
+    layouts = (tuple((t.shape, t.stride(), t.dtype, t.device) for t in (*zs, *vs)),
+               tuple(m.training for m in G.modules()))
     with _LOCK:
         seen = _SEEN.setdefault(G, {})
-        status = seen.get(layouts)
+        status = seen.pop(layouts, None)
+        if status is None and len(seen) >= MAX_SEEN:
+            del seen[next(iter(seen))]  # the least recently seen layouts
         seen[layouts] = "again" if status is None else status
     if status != "again" and not (unchecked and status is None):  # the first call, or G has no program for them
         return eager_push()
@@ -366,7 +379,7 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
     the program alone runs, and its numbers are returned."""
     entry.compiled = compile
     try:
-        program = write(G, zs)
+        program = write(G, zs, trace_code=compile)
     except Unsupported as error:
         _fall_back(call, G, entry, f"no tangent program ({error})", warn=compile)
         return eager_push()
@@ -403,7 +416,7 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
     after.restore()
     difference = max(_differs(list(primals), g_leaves, zs), _differs(list(tangents), tangent_leaves, vs))
     entry.difference = difference
-    tolerance = TOLERANCE.get(zs[0].dtype, _REDUCED)
+    tolerance = TOLERANCE.get(zs[0].dtype, _REDUCED) if compile else EAGER_TOLERANCE.get(zs[0].dtype, _EAGER_REDUCED)
     if not difference <= tolerance:
         own = _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after) if compile else difference
         culprit = ("mixedad's tangent program itself differs, run without the compiler (relative difference "

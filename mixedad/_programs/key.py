@@ -18,6 +18,8 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
+from mixedad._hooks.module_hooks import global_hook_handles, hook_handles
+
 __all__ = ["key_of"]
 
 _SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
@@ -63,7 +65,7 @@ def _module_key(m, held, root):
     held.extend(parameters)
     held.extend(buffers)
     # Parameters and buffers are read live by a program: by identity, dtype and device (as _fingerprint's live).
-    return (id(m), m.training, *[None if t is None else (id(t), t.dtype, t.device) for t in parameters], None,
+    return (id(m), m.training, hook_handles(m), *[None if t is None else (id(t), t.dtype, t.device) for t in parameters], None,
             *[None if t is None else (id(t), t.dtype, t.device) for t in buffers], None,
             *[(n, type(v), _fingerprint(v, held)) for n, v in attributes.items() if n not in _MODULE_INTERNALS])
 
@@ -87,12 +89,14 @@ def _class_key(cls, held):
 
 def key_of(G, zs, vs, batch):
     """``(key, held)``: what a program is written for (the inputs' layouts; G's modules with their modes,
-    tensors and attributes; their classes' attributes and the globals their forwards name: a program reads
-    such values as they were when it was written), and the objects the key identifies by id."""
+    hooks, tensors and attributes; their classes' attributes and the globals their forwards name: a program
+    reads such values as they were when it was written; the process's module hooks), and the objects the
+    key identifies by id. A hook added after a program was written gives another key, whose program is
+    refused (a program never runs hooks)."""
     held: List[Any] = []
     tensors = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (*zs, *vs))
     modules = list(G.modules())
     classes = sorted({type(m) for m in modules}, key=id)
     key = (batch, tensors, tuple(_module_key(m, held, G) for m in modules),
-           tuple(_class_key(c, held) for c in classes), torch.backends.mkldnn.enabled)
+           tuple(_class_key(c, held) for c in classes), global_hook_handles(), torch.backends.mkldnn.enabled)
     return key, held

@@ -15,7 +15,7 @@ from mixedad._hooks.meta_trace import DTYPE
 from mixedad._programs import tangents as T
 from mixedad._programs.rules import (FRESH_MODULES, FUNCTIONS, METHODS, MODULES, NOT_TENSORS, Emit, Missing, carries, describe, draws,
                                      writes_in_place)
-from mixedad._programs.trace import Unsupported, trace
+from mixedad._programs.trace import Unsupported, chain, trace
 
 __all__ = ["Program", "write"]
 
@@ -125,10 +125,15 @@ class _Builder:
             self.tangent[node] = tangent
 
 
-def write(G, zs):
-    """G's tangent :class:`Program` for inputs shaped as the tensors ``zs``, or raise :class:`Unsupported`."""
+def write(G, zs, *, trace_code=True):
+    """G's tangent :class:`Program` for inputs shaped as the tensors ``zs``, or raise :class:`Unsupported`.
+
+    With ``trace_code`` G's forward is traced (:func:`~mixedad._programs.trace.trace`: the user's modules
+    are traced through); without, G must be an ``nn.Sequential`` chain of ``torch.nn`` layers
+    (:func:`~mixedad._programs.trace.chain`), whose graph is written without running any code of G's.
+    """
     n_inputs = len(zs)
-    traced = trace(G, zs)
+    traced = trace(G, zs) if trace_code else chain(G, zs)
     builder = _Builder(traced)
     graph = builder.graph
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]

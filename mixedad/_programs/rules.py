@@ -408,9 +408,15 @@ def writes_in_place(node):
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.startswith("__")
     if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        return node.target in IN_PLACE or (name.endswith("_") and not name.startswith("_")
-                                           and getattr(node.target, "__module__", "") in ("torch", None))
+        if node.target in IN_PLACE:
+            return True
+        schema = getattr(node.target, "_schema", None)  # an op overload, torch.ops.aten.hardtanh_.default
+        if schema is not None and schema.is_mutable:
+            return True
+        # By name, wherever the function lives (F.leaky_relu_ is torch._C._nn's, torch.ops.aten.hardtanh_ a packet):
+        # a function of G's own so named is refused too, which costs speed only.
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        return name.endswith("_") and not name.startswith("_")
     return False
 
 _LINEAR_FUNCTIONS = (torch.flatten, torch.reshape, torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze,

@@ -21,17 +21,18 @@ computes:
 - a G that is not an ``nn.Module``, data-dependent control flow, or any other failure of the trace.
 """
 import inspect
+import random
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from mixedad._frontend.state import plain_attributes
-from mixedad._hooks.meta_trace import MetaTrace, inside_function_apply
+from mixedad._hooks.meta_trace import DTYPE, NDIM, MetaTrace, forward_on_meta, inside_function_apply
 from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.sequential import forward_hooks
 
-__all__ = ["Unsupported", "trace"]
+__all__ = ["Unsupported", "chain", "trace"]
 
 
 class Unsupported(Exception):
@@ -83,6 +84,38 @@ def _versions(G):
             for key, t in [*m._parameters.items(), *m._buffers.items()] if t is not None}
 
 
+def _containers(G):
+    """``[(name, container, copy)]`` of the lists, dicts and sets among G's modules' attributes."""
+    return [(f"{type(m).__name__}.{name}", value, type(value)(value)) for m in G.modules()
+            for name, value in vars(m).items() if type(value) in (list, dict, set)]
+
+
+def _same(container, copy):
+    if len(container) != len(copy):
+        return False
+    if isinstance(container, dict):
+        return container.keys() == copy.keys() and all(container[k] is copy[k] for k in copy)
+    if isinstance(container, set):
+        return container == copy
+    return all(a is b for a, b in zip(container, copy))
+
+
+def _changed(containers):
+    """The first list, dict or set attribute the trace changed in place (``self.feats.append(h)``), or None."""
+    return next((name for name, container, copy in containers if not _same(container, copy)), None)
+
+
+def _restore(containers):
+    """Put back their contents: a trace's proxies appended to a user's list do not stay there."""
+    for _, container, copy in containers:
+        if not _same(container, copy):
+            if isinstance(container, list):
+                container[:] = copy
+            else:
+                container.clear()
+                container.update(copy)
+
+
 def _tensors_written(G, before):
     """The first parameter or buffer the trace replaced or wrote into (``self.calls += 1`` on a buffer, which
     the trace runs on the tensor itself), or None."""
@@ -126,12 +159,14 @@ def trace(G, zs):
         own = {m: set(vars(m)) for m in G.modules()}
         snapshot = Snapshot(G)
         versions = _versions(G)
+        containers = _containers(G)
+        python_random = random.getstate()
         try:
             with torch.enable_grad(), torch.inference_mode(False):
                 graph = MetaTrace(_before_each_node, lambda m: type(m) in MODULES).run(G, meta, concrete)
-            written = _attributes_written(snapshot) or _tensors_written(G, versions)
+            written = _attributes_written(snapshot) or _tensors_written(G, versions) or _changed(containers)
             if written:
-                raise Unsupported(f"G's forward sets the attribute {written} (a counter, a cache), which a program, "
+                raise Unsupported(f"G's forward sets or changes the attribute {written} (a counter, a cache), which a program, "
                                   f"written once, would not set again")
             return fx.GraphModule(G, graph)
         except Unsupported:
@@ -141,8 +176,56 @@ def trace(G, zs):
                               f"{str(error).splitlines()[0][:200]})") from error
         finally:
             snapshot.restore()
+            random.setstate(python_random)  # G's forward may draw Python random numbers (a trace runs it once more)
+            _restore(containers)
             # The trace keeps tensors G makes as attributes of G (the program holds its own copies of them), and a
             # forward that stores a value on a module (a cache) stores the trace's proxy: neither stays.
             for m, names in own.items():
                 for name in set(vars(m)) - names:
                     delattr(m, name)
+
+
+def chain(G, zs):
+    """G's graph without a trace, where G is an ``nn.Sequential`` (nested ones flattened) of ``torch.nn`` layers that
+    have program rules, each called on the output of the one before.
+
+    What such a G computes is its layers' own code with their attributes, all of which the key sees: no
+    code of the user's runs (no globals read, no side effects, no proxies left behind) and ``torch.fx``
+    patches nothing (other threads run on). Each layer's output dtype and number of dimensions come
+    from its forward on meta tensors. Raises :class:`Unsupported`.
+    """
+    from mixedad._programs.rules import MODULES
+    if type(G) is not nn.Sequential:
+        raise Unsupported(f"G is a {type(G).__name__}, not an nn.Sequential of torch.nn layers")
+    if len(zs) != 1:
+        raise Unsupported(f"an nn.Sequential takes one input, {len(zs)} given")
+    hooked = _hooks(G)
+    if hooked:
+        raise Unsupported(hooked)
+    layers = []
+
+    def flatten(sequential, prefix):
+        for name, child in sequential._modules.items():
+            if child is None:
+                continue
+            if type(child) is nn.Sequential:
+                flatten(child, f"{prefix}{name}.")
+            elif type(child) in MODULES:
+                layers.append((f"{prefix}{name}", child))
+            else:
+                raise Unsupported(f"layer {prefix}{name} is a {type(child).__name__}, which has no program rule")
+
+    flatten(G, "")
+    graph = fx.Graph()
+    x = graph.placeholder("z")
+    z = zs[0]
+    meta = torch.empty_strided(z.shape, z.stride(), dtype=z.dtype, device="meta")
+    for name, layer in layers:
+        x = graph.call_module(name, (x,))
+        meta = None if meta is None else forward_on_meta(layer, (meta,))
+        if isinstance(meta, torch.Tensor):
+            x.meta[DTYPE], x.meta[NDIM] = meta.dtype, meta.dim()
+        else:
+            meta = None
+    graph.output(x)
+    return fx.GraphModule(G, graph)

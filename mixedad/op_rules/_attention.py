@@ -153,6 +153,7 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
     # P dV for all k tangents as one product: dV's k folded into its columns, (..., T, k E); one tangent: dV itself.
     dv_folded = None if dv is None else (dv.squeeze(-3) if size == 1 else dv.movedim(-3, -2).flatten(-2))
     v_flat = v.squeeze(-3)
+    masks = {}
     for start, step in _blocks(lq, lk, budget, is_causal, plan_only=q.is_meta):
         rows = slice(start, start + step)
         # Causal attention (top-left aligned) reads keys 0..row only: later keys are skipped.
@@ -162,7 +163,10 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=Fal
             block = mask[..., rows, cols]
             s = s.masked_fill_(~block, float("-inf")) if block.dtype == torch.bool else s.add_(block)
         if is_causal and start + 1 < cols.stop:  # only the keys beyond the block's first row
-            s[..., start + 1:cols.stop].masked_fill_(_later_keys(step, cols.stop - start - 1, q.device), float("-inf"))
+            later = (step, cols.stop - start - 1)
+            if later not in masks:  # the blocks share a few shapes: each mask built once per call
+                masks[later] = _later_keys(*later, q.device)
+            s[..., start + 1:cols.stop].masked_fill_(masks[later], float("-inf"))
         p = s.exp_() if neg_shift is not None else _safe_softmax_(s)  # in place: s becomes P
         del s
         d_o = None
@@ -201,7 +205,7 @@ def _later_keys(rows, keys, device):
     """Which of the ``keys`` after a causal block's first row each of its ``rows`` must not see.
 
     Row i of the block (query ``start + i``) sees key ``start + 1 + j`` only if ``j < i``, wherever
-    the block starts. Built each time (not cached): under a fake or meta mode a cached tensor
+    the block starts. Kept for one call only: under a fake or meta mode a tensor cached longer
     would outlive the mode.
     """
     return torch.ones(rows, keys, dtype=torch.bool, device=device).triu_()

@@ -17,7 +17,7 @@ from typing import Callable, Dict, Tuple
 
 from torch import nn
 
-from mixedad.zoo._classic import _Reshape, dcgan, mlp, resnet
+from mixedad.zoo._classic import dcgan, mlp, resnet
 from mixedad.zoo._stylegan import stylegan
 from mixedad.zoo._stylegan2_ada import stylegan2_ada
 from mixedad.zoo._transformer import attention_stack, transformer
@@ -56,5 +56,5 @@ def latent_shape(G: nn.Module, batch: int) -> Tuple[int, int]:
     latent = getattr(G, "latent_dim", None)
     if latent is not None:
         return (batch, latent)
-    first = next(m for m in G.modules() if isinstance(m, (nn.Linear, _Reshape)))
-    return (batch, first.in_features if isinstance(first, nn.Linear) else first.shape[0])
+    first = next(m for m in G.modules() if isinstance(m, (nn.Linear, nn.Unflatten)))  # a DCGAN's latent-to-map layer
+    return (batch, first.in_features if isinstance(first, nn.Linear) else first.unflattened_size[0])

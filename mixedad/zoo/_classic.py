@@ -50,15 +50,6 @@ def mlp(depth=8, width=64, *, in_features=None, out_features=None, activation="t
     return finish(seeded(build, seed, (64, sizes[0])), dtype, device)
 
 
-class _Reshape(nn.Module):
-    def __init__(self, *shape):
-        super().__init__()
-        self.shape = shape
-
-    def forward(self, x):
-        return x.reshape(*x.shape[:-1], *self.shape)
-
-
 def dcgan(latent_dim=16, channels=8, *, image_size=32, extra_blocks=0, out_channels=3,
           seed=0, dtype=torch.float32, device="cpu"):
     r"""A DCGAN-style generator: ConvTranspose2d, BatchNorm2d, ReLU, and tanh at the end.
@@ -103,7 +94,7 @@ def dcgan(latent_dim=16, channels=8, *, image_size=32, extra_blocks=0, out_chann
 
     def build():
         c = channels * 2 ** (stages - 1)
-        layers = [_Reshape(latent_dim, 1, 1), nn.ConvTranspose2d(latent_dim, c, 4, 1, 0, bias=False),
+        layers = [nn.Unflatten(-1, (latent_dim, 1, 1)), nn.ConvTranspose2d(latent_dim, c, 4, 1, 0, bias=False),
                   nn.BatchNorm2d(c), nn.ReLU()]
         for _ in range(stages - 1):
             layers += block(c, c // 2, extra_blocks)

@@ -2,10 +2,12 @@
 
 The default runs G's tangent program eagerly from the third call with the same inputs' layouts
 (:func:`mixedad._programs.compiled.push_program`), after checking it once against the per-op pass.
-Here each seam case of ``tests/test_seams.py`` and ``tests/test_seams_more.py`` runs with the program
-written and run from the first call, unchecked (``programs_unchecked``), so that the program's own
-numbers, its refusals and what it leaves behind (buffers, random state, flags) meet the same verdict
-as the per-op pass: exact against double backward, or refused with the case's message, with no leak.
+Here each seam case of ``tests/test_seams.py`` and ``tests/test_seams_more.py`` runs with programs
+written and run from the first call, unchecked (``programs_unchecked``): the cases whose G is an
+``nn.Sequential`` chain of ``torch.nn`` layers with rules run through the program, so that its own
+numbers and what it leaves behind (buffers, random state, flags) meet the same verdict as the
+per-op pass: exact against double backward, or refused with the case's message, with no leak; the
+others must take the per-op pass as before.
 Below them, the route itself: which call writes, checks and runs; every zoo generator call after
 call against double backward (and its buffers against plain forwards); a wrong or failing program
 dropped with a warning; what a trace must refuse or clean up; the program's exact peak bytes.
@@ -51,8 +53,9 @@ def test_seam_through_the_program(module, c):
 # --- the route itself ----------------------------------------------------------------------------
 
 
-#: Zoo members without a tangent program, and why (they take the per-op pass on every call).
-NO_PROGRAM = {"transformer_layer": "TransformerEncoderLayer", "stylegan2_ada": "custom torch.autograd.Function"}
+#: Zoo members with a default program: the nn.Sequential chains of torch.nn layers (the others take the per-op
+#: pass on every call, and compile=True, which traces their code).
+WITH_PROGRAM = {"mlp", "dcgan"}
 
 
 @pytest.mark.filterwarnings("error")
@@ -74,11 +77,11 @@ def test_every_zoo_generator_by_the_default_equals_double_backward_call_after_ca
         assert (ours - reference).abs().max() <= 1e-9 * scale, f"call {call + 1}"
         for (key, mine), theirs in zip(G.state_dict().items(), twin.state_dict().values()):
             assert torch.equal(mine, theirs), f"call {call + 1}: buffer {key}"
-    [entry] = compiled._EAGER[G].values()
-    if name in NO_PROGRAM:
-        assert entry.status == "eager" and NO_PROGRAM[name] in entry.reason
-    else:
+    if name in WITH_PROGRAM:
+        [entry] = compiled._EAGER[G].values()
         assert entry.status == "compiled", entry.reason
+    else:
+        assert G not in compiled._EAGER  # not an nn.Sequential: no key, no program
 
 
 def _counting_runs(monkeypatch):
@@ -98,7 +101,7 @@ def test_the_first_call_writes_nothing_the_second_checks_and_later_ones_run_the_
     z, y, v = _problem(G)
     writes = []
     real_write = compiled.write
-    monkeypatch.setattr(compiled, "write", lambda *a: writes.append(1) or real_write(*a))
+    monkeypatch.setattr(compiled, "write", lambda *a, **k: writes.append(1) or real_write(*a, **k))
     runs = _counting_runs(monkeypatch)
     mixedad.mixed_grad(f, G, z, y, v)
     assert writes == [] and G not in compiled._EAGER
@@ -157,8 +160,11 @@ def test_a_forward_that_writes_its_buffer_gets_no_program_and_stays_exact(reassi
         ours = mixedad.mixed_grad(f, G, z, y, v, compile=compile)
         assert torch.allclose(ours, reference, rtol=1e-12, atol=0), f"call {call + 1}"
         assert G.calls.item() == call + 1
-    entries = (compiled._CACHE if compile else compiled._EAGER)[G].values()  # reassigned: a new buffer, a new key
-    assert entries and all(e.status == "eager" and "calls" in e.reason for e in entries)
+    if compile:  # G's code traced, and the write refused (reassigned: a new buffer, a new key each call)
+        entries = compiled._CACHE[G].values()
+        assert entries and all(e.status == "eager" and "calls" in e.reason for e in entries)
+    else:  # the default writes programs for nn.Sequential chains of torch.nn layers only
+        assert G not in compiled._EAGER
 
 
 class _Cache(nn.Module):
@@ -195,7 +201,7 @@ def test_the_program_peak_is_flat_in_depth_and_no_higher_than_the_per_op_pass():
     from mixedad.benchmark import build, objective
     from mixedad.profiling import peak_memory
 
-    for model, width, batch in [("dcgan", 8, 4), ("mlp", 32, 8), ("resnet", 8, 4), ("vq_decoder", 8, 2)]:
+    for model, width, batch in [("dcgan", 8, 4), ("mlp", 32, 8)]:
         peaks = {}
         for depth in (1, 4):
             for mode in ("eval", "train") if model == "dcgan" else ("eval",):
@@ -227,3 +233,98 @@ def test_per_op_pass_keeps_programs_out_and_ends_with_its_block_even_on_error():
         mixedad.mixed_grad(f, G, z, y, v)
     [entry] = compiled._EAGER[G].values()
     assert entry.status == "compiled"
+
+
+def test_a_submodule_switched_to_eval_gets_its_program_after_all():
+    """Train-mode dropout draws random numbers: no program. Its layer put in eval mode alone: a program."""
+    G = nn.Sequential(nn.Linear(4, 4, dtype=D), nn.Dropout(0.5), nn.Tanh())
+    z, v, y = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    for _ in range(3):
+        mixedad.mixed_grad(f, G, z, y, v)
+    assert [e.status for e in compiled._EAGER[G].values()] == ["eager"]
+    G[1].eval()
+    for _ in range(3):
+        ours = mixedad.mixed_grad(f, G, z, y, v)
+    assert "compiled" in [e.status for e in compiled._EAGER[G].values()]
+    assert torch.allclose(ours, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-12, atol=0)
+
+
+def test_the_layouts_seen_per_G_are_bounded(monkeypatch):
+    monkeypatch.setattr(compiled, "MAX_SEEN", 3)
+    G = mixedad.zoo.mlp(2, 4, dtype=D)
+    for batch in range(1, 7):
+        z = torch.randn(batch, 4, dtype=D)
+        mixedad.mixed_grad(f, G, z, z, z)
+    assert len(compiled._SEEN[G]) == 3
+
+
+@pytest.mark.filterwarnings("ignore:mixedad. mixed_grad.* with compile=True runs eager")
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("where", ["module", "pre", "global"])
+def test_a_hook_added_after_the_program_is_in_use_is_run(where, compile):
+    """Found by a review: the key left hooks out, so a hook added later was never run (4.7 off, compile=True too)."""
+    G = nn.Sequential(nn.Linear(4, 4, dtype=D), nn.Tanh(), nn.Linear(4, 4, dtype=D))
+    z, y, v = (torch.randn(3, 4, dtype=D) for _ in range(3))
+    for _ in range(3):
+        mixedad.mixed_grad(f, G, z, y, v, compile=compile)
+    double = lambda m, args, out: out * 2  # noqa: E731
+    if where == "module":
+        handle = G[1].register_forward_hook(double)
+    elif where == "pre":
+        handle = G[1].register_forward_pre_hook(lambda m, args: (args[0] * 3,))
+    else:
+        handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: out * 2 if m is G[1] else None)
+    try:
+        for _ in range(3):
+            ours = mixedad.mixed_grad(f, G, z, y, v, compile=compile)
+            assert torch.allclose(ours, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-10, atol=0)
+    finally:
+        handle.remove()
+
+
+def test_the_default_writes_programs_for_sequential_chains_of_torch_layers_only():
+    inner = nn.Sequential(nn.Linear(4, 6, dtype=D), nn.ReLU(inplace=True))
+    chain = nn.Sequential(nn.Unflatten(-1, (4, 1, 1)), nn.Flatten(), inner, nn.Linear(6, 4, dtype=D), nn.Tanh())
+
+    class Custom(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class MySequential(nn.Sequential):
+        pass
+
+    with_user_layer = nn.Sequential(nn.Linear(4, 4, dtype=D), Custom())
+    subclass = MySequential(nn.Linear(4, 4, dtype=D), nn.Tanh())
+    z, y, v = (torch.randn(3, 4, dtype=D) for _ in range(3))
+    for G, reason in [(chain, None), (with_user_layer, "layer 1 is a Custom"), (subclass, "no key")]:
+        for _ in range(4):
+            ours = mixedad.mixed_grad(f, G, z, y, v)
+            assert torch.allclose(ours, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-12, atol=0)
+        if reason == "no key":  # a subclass may do more in its forward: not even a key is computed
+            assert G not in compiled._EAGER
+            continue
+        [entry] = compiled._EAGER[G].values()
+        if reason is None:
+            assert entry.status == "compiled", entry.reason
+        else:
+            assert entry.status == "eager" and reason in entry.reason
+
+
+def test_a_program_off_by_round_off_only_passes_and_one_off_by_half_a_percent_does_not(monkeypatch):
+    """The default's check is tight: its program runs the per-op pass's kernels (a review saw 0.7% accepted at the
+    compiled path's float32 tolerance)."""
+    G = mixedad.zoo.mlp(3, 8, activation="relu")
+    z, y, v = (torch.randn(5, 8) for _ in range(3))
+    wrong = rules._pointwise_module(lambda t, x, y_, params: 1.005 * torch.ops.aten.threshold_backward(t, y_, 0), ())
+    monkeypatch.setitem(rules.MODULES, nn.ReLU, wrong)
+    mixedad.mixed_grad(f, G, z, y, v)
+    with pytest.warns(RuntimeWarning, match="differs from mixedad's per-op pass"):
+        mixedad.mixed_grad(f, G, z, y, v)
+
+
+def test_meta_inputs_take_the_per_op_pass():
+    G = mixedad.zoo.mlp(2, 4, device="meta")
+    z, y, v = (torch.empty(3, 4, device="meta") for _ in range(3))
+    for _ in range(3):
+        assert mixedad.mixed_grad(f, G, z, y, v).device.type == "meta"
+    assert G not in compiled._EAGER

@@ -1,4 +1,6 @@
 """What a trace refuses, so that no program differs from what G computes; and G left as found."""
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,3 +142,43 @@ def test_a_program_does_not_keep_g_alive():
     del G, program
     gc.collect()
     assert ref() is None
+
+
+def test_in_place_functions_of_every_spelling_are_refused():
+    """Found by a review: F.leaky_relu_ (torch._C._nn's) and torch.ops.aten.hardtanh_ slipped through, and a
+    program kept the old tangent (23.6 off where the first call's inputs kept the clamp inactive)."""
+    for spelling in (F.leaky_relu_, F.hardtanh_, F.elu_, torch.ops.aten.hardtanh_, torch.ops.aten.hardtanh_.default):
+        class InPlace(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(3, 3)
+
+            def forward(self, z):
+                h = self.lin(z)
+                spelling(h)
+                return h * 2
+
+        with pytest.raises(Unsupported, match="writes in place"):
+            write(InPlace(), [torch.randn(2, 3)])
+
+
+def test_a_list_the_forward_appends_to_is_refused_and_keeps_no_proxy():
+    """Found by a review: the trace left its proxy in the user's list, and re-traced on every call."""
+    class Collects(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.feats, self.seen = nn.Linear(3, 3), [], {}
+
+        def forward(self, z):
+            h = self.lin(z)
+            self.feats.append(h)
+            self.seen[len(self.seen)] = random.random()  # a Python draw too
+            return h
+
+    G = Collects()
+    G.feats.append(torch.ones(1))
+    state = random.getstate()
+    with pytest.raises(Unsupported, match="changes the attribute Collects.feats"):
+        write(G, [torch.randn(2, 3)])
+    assert len(G.feats) == 1 and type(G.feats[0]) is torch.Tensor and G.seen == {}
+    assert random.getstate() == state
