@@ -145,6 +145,16 @@ def attention(q, k, v, dq, dk, dv, attn_mask, is_causal, scale, enable_gqa):
                                   enable_gqa=enable_gqa, lse=lse)
 
 
+def channels_last(x):
+    """``x`` in the channels-last layout where a 2-d convolution runs faster so (a 4-d float32 or bfloat16 tensor on
+    the CPU, oneDNN on); else ``x`` itself. Linear and the identity in value: a program puts it before the
+    convolutions of a chain (:func:`mixedad._programs.trace.chain`), on the primal and the tangent alike."""
+    if (x.dim() == 4 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.enabled and not x.is_contiguous(memory_format=torch.channels_last)):
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
 # Pointwise activations: (t, x, y, module or keyword values) -> tangent.
 def relu(t, x, y, params):
     return torch.ops.aten.threshold_backward(t, y, 0)

@@ -328,3 +328,29 @@ def test_meta_inputs_take_the_per_op_pass():
     for _ in range(3):
         assert mixedad.mixed_grad(f, G, z, y, v).device.type == "meta"
     assert G not in compiled._EAGER
+
+
+def test_a_float32_chain_runs_its_convolutions_channels_last_within_round_off_and_memory():
+    """Eval mode, float32 on the CPU: the program puts activations channels-last before its 2-d convolutions
+    (oneDNN runs them faster so); G's output and tangent differ from a plain forward's by round-off only, and the
+    peak stays at or below the per-op pass's. In training mode it does not (running statistics stay bit-exact)."""
+    from mixedad.benchmark import build, objective
+    from mixedad.profiling import peak_memory
+
+    for mode in ("eval", "train"):
+        G, z, y, v = build("dcgan", 2, 8, 4, torch.float32, "cpu")
+        G.train(mode == "train").requires_grad_(False)
+        twin = copy.deepcopy(G).double()
+        with mixedad.per_op_pass():
+            _, per_op = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
+        for _ in range(2):
+            mixedad.mixed_grad(objective, G, z, y, v)
+        [entry] = compiled._EAGER[G].values()
+        assert entry.status == "compiled" and entry.difference <= 1e-5
+        with torch.no_grad():
+            _, tangents = entry.run(z, v)
+        assert tangents[0].is_contiguous(memory_format=torch.channels_last) == (mode == "eval")
+        reference = double_backward_mixed_grad(objective, copy.deepcopy(twin), z.double(), y.double(), v.double())
+        ours, program = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
+        assert ((ours.double() - reference).norm() / reference.norm()).item() < 1e-4, mode
+        assert program <= per_op, (mode, program, per_op)
