@@ -65,7 +65,8 @@ def _module_key(m, held, root):
     held.extend(parameters)
     held.extend(buffers)
     # Parameters and buffers are read live by a program: by identity, dtype and device (as _fingerprint's live).
-    return (id(m), m.training, hook_handles(m), *[None if t is None else (id(t), t.dtype, t.device) for t in parameters], None,
+    children = tuple((name, id(child)) for name, child in attributes["_modules"].items())  # order, repeats
+    return (id(m), m.training, hook_handles(m), children, *[None if t is None else (id(t), t.dtype, t.device) for t in parameters], None,
             *[None if t is None else (id(t), t.dtype, t.device) for t in buffers], None,
             *[(n, type(v), _fingerprint(v, held)) for n, v in attributes.items() if n not in _MODULE_INTERNALS])
 

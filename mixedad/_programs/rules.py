@@ -449,7 +449,7 @@ FUNCTIONS.update({
     F.elu: _pointwise_function(T.elu, (("alpha", 1.0),)),
     F.softplus: _pointwise_function(T.softplus, (("beta", 1.0), ("threshold", 20.0))),
     F.hardtanh: _pointwise_function(T.hardtanh, (("min_val", -1.0), ("max_val", 1.0))),
-    T.channels_last: lambda e: e.same_op_on_tangent(),
+    T.channels_last: lambda e: e.same_op_on_tangent(), T.strided_as: lambda e: e.same_op_on_tangent(),
     torch.exp: _pointwise_function(T.exp, ()), torch.sqrt: _pointwise_function(T.sqrt, ()),
     torch.rsqrt: _pointwise_function(T.rsqrt, ()), torch.abs: _pointwise_function(T.absolute, ()),
 })

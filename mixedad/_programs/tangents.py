@@ -146,13 +146,21 @@ def attention(q, k, v, dq, dk, dv, attn_mask, is_causal, scale, enable_gqa):
 
 
 def channels_last(x):
-    """``x`` in the channels-last layout where a 2-d convolution runs faster so (a 4-d float32 or bfloat16 tensor on
-    the CPU, oneDNN on); else ``x`` itself. Linear and the identity in value: a program puts it before the
+    """``x`` in the channels-last layout where a 2-d convolution runs faster so (a 4-d float32 tensor on the CPU,
+    oneDNN on); else ``x`` itself. Linear and the identity in value: a program puts it before the
     convolutions of a chain (:func:`mixedad._programs.trace.chain`), on the primal and the tangent alike."""
-    if (x.dim() == 4 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    if (x.dim() == 4 and x.device.type == "cpu" and x.dtype == torch.float32
             and torch.backends.mkldnn.enabled and not x.is_contiguous(memory_format=torch.channels_last)):
         return x.contiguous(memory_format=torch.channels_last)
     return x
+
+
+def strided_as(x, stride):
+    """``x`` with the strides ``stride`` (those a plain forward gives G's output), copied only where they differ:
+    a chain's program hands f the layout G gives it, whatever layout its convolutions ran in."""
+    if x.stride() == tuple(stride):
+        return x
+    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
 
 
 # Pointwise activations: (t, x, y, module or keyword values) -> tangent.

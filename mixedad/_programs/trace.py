@@ -31,7 +31,7 @@ from mixedad._frontend.state import plain_attributes
 from mixedad._hooks.meta_trace import DTYPE, NDIM, MetaTrace, forward_on_meta, inside_function_apply
 from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.sequential import forward_hooks
-from mixedad._programs.tangents import channels_last
+from mixedad._programs.tangents import channels_last, strided_as
 
 __all__ = ["Unsupported", "chain", "trace"]
 
@@ -229,8 +229,10 @@ def chain(G, zs):
     x = graph.placeholder("z")
     z = zs[0]
     meta = torch.empty_strided(z.shape, z.stride(), dtype=z.dtype, device="meta")
+    relaid = False
     for name, layer in layers:
         if relayout and type(layer) in (nn.Conv2d, nn.ConvTranspose2d):
+            relaid = True
             x = graph.call_function(channels_last, (x,))
             if meta is not None:
                 x.meta[DTYPE], x.meta[NDIM] = meta.dtype, meta.dim()
@@ -240,5 +242,10 @@ def chain(G, zs):
             x.meta[DTYPE], x.meta[NDIM] = meta.dtype, meta.dim()
         else:
             meta = None
+    if relaid:
+        if meta is None:  # the layout a plain forward gives is not known: no channels-last program
+            raise Unsupported("the output layout of G's plain forward is not known on meta tensors")
+        x = graph.call_function(strided_as, (x, meta.stride()))  # f sees the layout a plain forward gives
+        x.meta[DTYPE], x.meta[NDIM] = meta.dtype, meta.dim()
     graph.output(x)
     return fx.GraphModule(G, graph)

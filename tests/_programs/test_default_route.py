@@ -26,7 +26,7 @@ from tests import test_seams, test_seams_more
 from tests._programs.common import D, f
 from tests._programs.common import problem as _problem
 from tests.seams_common import cases_with_open_marked
-from tests.test_seams_more import InPlaceCounter
+from tests.test_seams_more import CarryCache, InPlaceCounter
 
 #: As in the seam modules: warnings are part of each case's verdict (its messages), not errors here.
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -167,27 +167,12 @@ def test_a_forward_that_writes_its_buffer_gets_no_program_and_stays_exact(reassi
         assert G not in compiled._EAGER
 
 
-class _Cache(nn.Module):
-    """Keeps a tensor between calls: a trace stores its proxy there."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin, self.cache = nn.Linear(5, 4, dtype=D), None
-
-    def forward(self, z):
-        h = self.lin(z)
-        if self.cache is not None:
-            h = h + 0.7 * self.cache.mean(0)
-        self.cache = h.detach()
-        return torch.tanh(h)
-
-
 @pytest.mark.filterwarnings("ignore:mixedad. mixed_grad.* with compile=True runs eager")
 @pytest.mark.parametrize("compile", [False, True])
 def test_a_refused_trace_leaves_no_proxy_in_an_attribute(compile):
     """Found reviewing the default route: after a trace refused ``self.cache = h``, the cache held the trace's
     proxy, and G's next call crashed."""
-    G = _Cache().eval()
+    G = CarryCache().eval()  # keeps a tensor between calls: a trace stored its proxy there
     z, y, v = torch.randn(4, 5, dtype=D), torch.randn(4, 4, dtype=D), torch.randn(4, 5, dtype=D)
     for _ in range(3):
         mixedad.mixed_grad(f, G, z, y, v, compile=compile)
@@ -349,8 +334,26 @@ def test_a_float32_chain_runs_its_convolutions_channels_last_within_round_off_an
         assert entry.status == "compiled" and entry.difference <= 1e-5
         with torch.no_grad():
             _, tangents = entry.run(z, v)
-        assert tangents[0].is_contiguous(memory_format=torch.channels_last) == (mode == "eval")
+        with torch.no_grad():
+            plain = G(z)
+        assert tangents[0].stride() == plain.stride()  # f sees the layout a plain forward gives (a review: g.view)
+        relaid = [n for n in entry.program.module.graph.nodes if getattr(n.target, "__name__", "") == "channels_last"]
+        assert bool(relaid) == (mode == "eval")
         reference = double_backward_mixed_grad(objective, copy.deepcopy(twin), z.double(), y.double(), v.double())
         ours, program = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
         assert ((ours.double() - reference).norm() / reference.norm()).item() < 1e-4, mode
         assert program <= per_op, (mode, program, per_op)
+
+
+def test_a_layer_list_changed_with_modules_already_in_G_gives_another_program():
+    """Found by a review: the key listed G's modules once each, so appending, repeating or reordering a module
+    already in G kept the old program (2.4 off)."""
+    a, b = nn.Linear(4, 4, dtype=D), nn.Tanh()
+    G = nn.Sequential(a, b)
+    z, y, v = (torch.randn(3, 4, dtype=D) for _ in range(3))
+    changes = [lambda: G.append(G[0]), lambda: G.append(G[1]), lambda: G.__delitem__(1)]
+    for change in [lambda: None, *changes]:
+        change()
+        for _ in range(4):
+            ours = mixedad.mixed_grad(f, G, z, y, v)
+            assert torch.allclose(ours, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-12, atol=0)
