@@ -16,10 +16,6 @@ What this relies on in torch (pinned by ``tests/_hooks/test_attention_backends.p
 - ``nn.MultiheadAttention`` takes no fast path while a ``TorchFunctionMode`` is active;
 - ``torch.backends.cuda.flash_sdp_enabled()`` and ``mem_efficient_sdp_enabled()`` are False inside
   ``sdpa_kernel(SDPBackend.MATH)``;
-- on the CPU, where ``torch._fused_sdp_choice`` answers ``SDPBackend.FLASH_ATTENTION``, SDPA
-  calls ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, whose first output is
-  SDPA's output bit for bit and whose second is the log-sum-exp of each row of scores
-  (:func:`fused_attention_with_lse`).
 """
 import contextlib
 import threading
@@ -73,46 +69,26 @@ def fused_attention_enabled():
     return torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
 
 
-def fused_attention_with_lse(query, key, value, attn_mask, is_causal, scale):
-    r"""``(out, lse)`` from the kernel SDPA takes here, or None where it is not the CPU flash kernel.
+def blockwise_primal_here(query, key, value, attn_mask):
+    """Whether mixedad's attention rule computes SDPA's primal in its own blocks here, not with the user's kernel.
 
-    ``out`` is ``F.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal,
-    scale)`` bit for bit, and ``lse`` the log-sum-exp of each row of scores,
-    :math:`\log \sum_j \exp(S_{ij})` with :math:`S = \mathrm{scale}\,QK^\top + M`, of shape
-    ``query.shape[:-1]`` in float32 or float64. Only for 4-d float32 / float64 CPU tensors with
-    matching batch and head dimensions, and a floating (additive) mask or none: elsewhere SDPA
-    may convert the mask, broadcast, or take another kernel, and None is returned. Meta tensors
-    inside :func:`planning_for` ``("cpu")`` (a memory plan for the CPU) get the kernel's meta
-    outputs where the CPU would take it.
+    Yes for plain CPU tensors (or meta ones inside :func:`planning_for` ``("cpu")``, a memory plan
+    for the CPU) that SDPA accepts (one dtype, one head dimension for query and key, a bool mask or
+    one of the query's dtype), outside CPU autocast (where SDPA picks its dtype) and with no graph
+    to build through them. Elsewhere the user's kernel computes it, and raises where SDPA would.
     """
     if cpu_autocast_on():
-        return None  # SDPA picks its dtype under autocast: the user's own call computes the primal
+        return False
     tensors = (query, key, value)
-    planned = all(t.device.type == "meta" for t in tensors) and getattr(_PLAN, "device", None) == "cpu"
-    if any(type(t) is not torch.Tensor or (t.device.type != "cpu" and not planned) or t.dim() != 4
-           or t.requires_grad for t in tensors):
-        return None
-    if query.dtype not in (torch.float32, torch.float64) or any(t.dtype != query.dtype for t in tensors):
-        return None
-    if not (query.shape[:2] == key.shape[:2] == value.shape[:2]):
-        return None
-    if attn_mask is not None and (type(attn_mask) is not torch.Tensor or attn_mask.dtype != query.dtype):
-        return None
-    choice = getattr(torch, "_fused_sdp_choice", None)
-    kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if choice is None or kernel is None:
-        return None
-    try:
-        from torch.nn.attention import SDPBackend
-    except ImportError:  # torch < 2.3
-        return None
-    if planned:  # a memory plan for the CPU, on meta: where the CPU would take flash
-        if not fused_kernel_would_run(query, key, value, attn_mask, "cpu"):
-            return None
-    elif choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale) != int(SDPBackend.FLASH_ATTENTION.value):
-        return None
-    out, lse = kernel(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
-    return out, lse
+    planned = getattr(_PLAN, "device", None) == "cpu"
+    grad = torch.is_grad_enabled()
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) or not (t.device.type == "cpu" or (planned and t.is_meta))
+           or (grad and t.requires_grad) for t in tensors):
+        return False
+    if any(t.dtype != query.dtype for t in tensors) or query.shape[-1] != key.shape[-1] or query.dim() < 2:
+        return False
+    return attn_mask is None or (type(attn_mask) is torch.Tensor and attn_mask.dtype in (torch.bool, query.dtype)
+                                 and not (grad and attn_mask.requires_grad))
 
 
 def fused_kernel_would_run(query, key, value, attn_mask, device):
@@ -145,7 +121,7 @@ _PLAN = threading.local()
 
 @contextlib.contextmanager
 def planning_for(device):
-    """Inside the block, :func:`fused_attention_with_lse` on meta tensors acts as ``device`` would (a memory plan)."""
+    """Inside the block, attention on meta tensors acts as on ``device`` (a memory plan): :func:`blockwise_primal_here`."""
     previous = getattr(_PLAN, "device", None)
     _PLAN.device = device
     try:

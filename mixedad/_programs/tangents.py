@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixedad._hooks.attention_backends import fused_attention_with_lse
 from mixedad._hooks.batch_norm import batch_norm_kernels, batch_norm_tangent, batch_norm_with_statistics
-from mixedad.op_rules._attention import blockwise_tangent
+from mixedad.op_rules._attention import attention as attention_rule
 from mixedad.op_rules._frozen_layers import _batch_statistics_tangent, _eval_scale, _linear_tangent, folded_weight
 
 _CONV_TRANSPOSE = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
@@ -125,24 +124,10 @@ def layer_norm(m, x, t):
 
 
 def attention(q, k, v, dq, dk, dv, attn_mask, is_causal, scale, enable_gqa):
-    """``(out, tangent)`` of ``F.scaled_dot_product_attention`` without dropout: mixedad's attention rule.
-
-    The primal is the kernel SDPA takes (on the CPU, called so that it also hands out each row's
-    log-sum-exp), the tangent blockwise (:func:`mixedad.op_rules._attention.blockwise_tangent`).
-    """
-    fused = None
-    # An additive mask takes the user's kernel and a softmax of its own per block: where its rows are masked
-    # by large finite numbers the kernel's log-sum-exp is inexact, and reading the mask to find out would stop
-    # a compiled program there (a graph break on a value).
-    if not enable_gqa and (attn_mask is None or attn_mask.dtype == torch.bool):
-        fused = fused_attention_with_lse(q, k, v, attn_mask, is_causal, scale)
-    if fused is None:
-        out, lse = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                                  enable_gqa=enable_gqa), None
-    else:
-        out, lse = fused
-    return out, blockwise_tangent(q, k, v, out, dq, dk, dv, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                  enable_gqa=enable_gqa, lse=lse)
+    """``(out, tangent)`` of ``F.scaled_dot_product_attention`` without dropout: mixedad's attention rule
+    (:func:`mixedad.op_rules._attention.attention`), the user's kernel being SDPA itself."""
+    options = {"attn_mask": attn_mask, "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
+    return attention_rule(lambda: F.scaled_dot_product_attention(q, k, v, **options), q, k, v, dq, dk, dv, **options)
 
 
 def channels_last(x):

@@ -1,4 +1,4 @@
-r"""The attention rule: the user's fused kernel for the primal, a blockwise tangent.
+r"""The attention rule: primal and tangent in blocks of queries on the CPU; elsewhere the user's kernel and a blockwise tangent.
 
 ``F.scaled_dot_product_attention`` is what ``nn.MultiheadAttention``,
 ``nn.TransformerEncoderLayer``, HF transformers' "sdpa", timm's fused_attn and diffusers'
@@ -14,24 +14,30 @@ probabilities and their tangents. This rule never holds them whole. With
 
 computed one block of queries at a time (all batch entries and heads together), the block
 chosen by bytes: about :data:`BLOCK_BYTES` of scores. With ``is_causal`` a block reads only the
-keys its rows can see. Memory: O(block x T) for the scores plus the primal and tangent of the
-output. Time: four matrix products per block (S, P dV, the stacked
-:math:`[\dot Q, Q][K, \dot K]^\top` and :math:`(P \circ \dot S) V`) and a row sum of
-:math:`P \circ \dot S`, on top of the fused primal. On the CPU, where SDPA takes
-the flash kernel, the primal comes from that kernel called so that it also hands out each row's
-log-sum-exp, and a block's probabilities are :math:`\exp(S - \mathrm{lse})`, the shift the
-initial value of the product for S (one pass over the block, the exp, not a softmax's five). Terms of inputs without a tangent are skipped (a frozen K and
-V, as in cross-attention to a fixed context, costs two products less). On CUDA the primal is the
-flash or memory-efficient kernel that PyTorch picks; the tangent is the same code.
+keys its rows can see. Memory: two buffers of a block's scores (allocated once per call) plus
+the primal and tangent of the output, O(block x T). Time per block: the product for S, one
+softmax, the products :math:`PV` and :math:`P\dot V`, the product for :math:`\dot S` (one, of
+inner dimension 2E, :math:`[\dot Q, Q][K, \dot K]^\top`, where both tangents are there),
+:math:`(P \circ \dot S) V` and a row sum of :math:`P \circ \dot S`. Terms of inputs without a
+tangent are skipped (a frozen K and V, as in cross-attention to a fixed context, costs two
+products less).
+
+On the CPU the primal :math:`O` comes from the same blocks: the CPU's flash kernel would compute
+every score once more, and the tangent needs the probabilities anyway (the primal then costs one
+product of the block, :math:`PV`). ``G(z)`` is then a plain forward's to round-off (the same
+products and softmax in another order), not bit for bit. On CUDA, under CPU autocast (where SDPA
+picks the dtype), where the inputs need a graph, and for tensor subclasses, the primal is the
+user's own call (the flash or memory-efficient kernel PyTorch picks), and the tangent is the same
+code given that output (:func:`mixedad._hooks.attention_backends.blockwise_primal_here`).
 
 Covered: ``attn_mask`` (bool, True = attend, or additive), ``is_causal`` (top-left aligned, as
 PyTorch's), ``scale``, ``enable_gqa``, query and key lengths that differ, any batch dimensions.
-The primal is the user's own call, fused where the device has a kernel, so ``G(z)`` is what a
-plain forward computes; the tangent uses that output :math:`O`. A query row that sees no key
-(an all-False bool row, an all -inf additive row: a fully padded sequence, causal attention
-over left padding) is 0 in PyTorch's kernels; its probabilities are 0 here too (a safe softmax
-that never forms the NaN of an all -inf softmax), so its tangent is 0, as double backward's
-derivative is. Rows masked only by large finite numbers (``finfo.min``) are ordinary rows.
+A query row that sees no key (an all-False bool row, an all -inf additive row: a fully padded
+sequence, causal attention over left padding) is 0 in PyTorch's kernels; its probabilities are
+0 here too (a safe softmax that never forms the NaN of an all -inf softmax), so its primal and
+tangent are 0, as double backward's derivative is. Rows masked only by large finite numbers
+(``finfo.min``) are ordinary rows, exact here (the fused kernels' backward is not: see
+:func:`_rows_masked_by_large_numbers`).
 
 Dropout (``dropout_p > 0``) and a mask that itself carries a tangent go through PyTorch's math
 backend under forward AD instead: the fused kernels cannot hand out their dropout mask, and the
@@ -44,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mixedad._hooks.attention_backends import fused_attention_with_lse, math_backend
+from mixedad._hooks.attention_backends import blockwise_primal_here, math_backend
 from mixedad._hooks.composites import COMPOSITES, run_inside
 from mixedad.op_rules._errors import UnderTransformError
 from mixedad.op_rules._table import Path, defrule
@@ -70,143 +76,181 @@ def _block_rows(start, lq, lk, budget, is_causal):
     return max(1, min(lq - start, n))
 
 
-def _safe_softmax_(s):
-    r"""Softmax over the last dim in place, 0 on rows that see no key (all -inf), as PyTorch's kernels give.
+def _probabilities(s, masked, out=None):
+    r"""The softmax of a block of scores over its last dim; 0 on rows that see no key (all -inf), as PyTorch's kernels give.
 
     .. math::
 
         P_{ij} = \frac{\exp(S_{ij} - m_i)}{\sum_k \exp(S_{ik} - m_i)}, \qquad
         m_i = \max_k S_{ik}, \quad\text{and } P_{i\cdot} = 0 \text{ where } m_i = -\infty
 
-    A plain softmax of an all -inf row is NaN (:math:`-\infty - (-\infty)`); PyTorch's kernels
-    give 0 there (the math backend's safe softmax), and so are the row's tangent and its
-    derivative in double backward. Such a row is shifted by 0 instead of its max and divided by
-    1 instead of its (zero) sum, so no NaN is ever formed; rows that mix -inf with finite
-    entries (``finfo.min`` masks) are ordinary rows. No host synchronisation: it runs on meta
-    tensors and under ``torch.func`` transforms.
+    Without a mask (``masked`` False) every row sees a key, and this is ``torch.softmax``. With
+    one, a row may see none: a plain softmax of an all -inf row is NaN; PyTorch's kernels give 0
+    there (the math backend's safe softmax), and so are the row's tangent and its derivative in
+    double backward. Such rows are set to 0 before the softmax and their probabilities to 0 after,
+    so no NaN is ever formed; rows that mix -inf with finite entries (``finfo.min`` masks) are
+    ordinary rows. ``s`` may be overwritten; ``out``, where given, receives P. No host
+    synchronisation: it runs on meta tensors and under ``torch.func`` transforms.
     """
-    top = s.amax(dim=-1, keepdim=True)
-    blind = top == float("-inf")
-    p = s.sub_(top.masked_fill_(blind, 0.0)).exp_()
-    return p.div_(p.sum(dim=-1, keepdim=True).masked_fill_(blind, 1.0))
+    blind = s.amax(dim=-1, keepdim=True) == float("-inf") if masked else None
+    if blind is not None:
+        s = s.masked_fill_(blind, 0.0)
+    p = torch.softmax(s, dim=-1) if out is None else torch.softmax(s, dim=-1, out=out)
+    if blind is None:
+        return p
+    return p.masked_fill(blind, 0.0) if p.requires_grad else p.masked_fill_(blind, 0.0)  # softmax's backward reads p
 
 
-def _cat_last(tensors):
-    """``torch.cat`` on the last dimension, broadcasting the others (a primal beside a batch of tangents)."""
-    shape = torch.broadcast_shapes(*(t.shape[:-1] for t in tensors))
-    return torch.cat([t.expand(*shape, t.shape[-1]) for t in tensors], dim=-1)
-
-
-def blockwise_tangent(q, k, v, out, dq, dk, dv, *, attn_mask=None, is_causal=False, scale=None,
-                      enable_gqa=False, block_bytes=None, batched=False, lse=None):
+def blockwise_tangent(q, k, v, out, dq, dk, dv, **options):
     r"""The tangent of ``out = scaled_dot_product_attention(q, k, v, ...)``, a block of queries at a time.
+
+    :func:`blockwise_attention` with the primal given (the user's kernel computed it): returns the
+    tangent alone.
+    """
+    return blockwise_attention(q, k, v, dq, dk, dv, out=out, **options)[1]
+
+
+def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_causal=False, scale=None,
+                        enable_gqa=False, block_bytes=None, batched=False):
+    r"""``(out, tangent)`` of ``scaled_dot_product_attention(q, k, v, ...)``, a block of queries at a time.
 
     .. math::
 
-        \dot O = P \dot V + (P \circ \dot S) V - \mathrm{rowsum}(P \circ \dot S) \circ O
+        O = P V, \qquad \dot O = P \dot V + (P \circ \dot S) V - \mathrm{rowsum}(P \circ \dot S) \circ O
 
-    ``dq``, ``dk`` and ``dv`` may be None (no tangent). With ``batched``, they carry a leading
-    dimension k (a batch of tangents): the probabilities P of a block are computed once for all of
-    them, no primal is copied k times, and the block budget is shared. ``lse``, where the primal's
-    kernel gave it, is the log-sum-exp of each row of scores (shape ``q.shape[:-1]``): the
-    probabilities of a block are then :math:`\exp(S - \mathrm{lse})`, two passes over the block
-    instead of a softmax's five. Returns a tensor of ``out``'s shape (with the leading k when
-    ``batched``) and dtype; float16 and bfloat16 are computed in float32.
+    ``dq``, ``dk`` and ``dv`` may be None (no tangent). With ``out`` (the primal the user's kernel
+    gave), only the tangent is computed and ``out`` is returned as it is; without it, each block's
+    rows of :math:`O` come from the same probabilities as the tangent, one product
+    :math:`P [V, \dot V]`. With ``batched``, the tangents carry a leading dimension k (a batch of
+    tangents): the probabilities of a block are computed once for all of them, no primal is
+    copied k times, and the block budget is shared. Returns tensors of the attention's shape (the
+    tangent with the leading k when ``batched``) and dtype; float16 and bfloat16 are computed in
+    float32. Where no input needs a graph, the blocks' scores are written into two buffers
+    allocated once per call, so that a call costs no allocation per block.
     """
-    lq, lk, e = q.shape[-2], k.shape[-2], q.shape[-1]
+    lq, lk, e, ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
     if enable_gqa and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
         repeats = q.shape[-3] // k.shape[-3]
         k, v, dk, dv = (_repeat_heads(t, repeats) for t in (k, v, dk, dv))
+    graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, out, dq, dk, dv))
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    q, k, v, o, dq, dk, dv = (None if t is None else t.to(work) for t in (q, k, v, out, dq, dk, dv))
     if not batched:  # one tangent: a batch of one
         dq, dk, dv = (None if t is None else t.unsqueeze(0) for t in (dq, dk, dv))
-    size = next(t.shape[0] for t in (dq, dk, dv, q.new_zeros(1)) if t is not None)
-    # The tangents' batch dimension goes just before the rows (..., k, T, E); primals get a 1 there.
-    dq, dk, dv = (None if t is None else t.movedim(0, -3) for t in (dq, dk, dv))
-    q, k, v, o = (t.unsqueeze(-3) for t in (q, k, v, o))
-    batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    ev = v.shape[-1]
-    tangent = torch.zeros(*batch, size, lq, ev, dtype=work, device=q.device)
-    if (dq is None and dk is None and dv is None) or lk == 0:  # no tangent, or no key to attend to
-        return _unbatch(tangent, batched).to(out.dtype)
-    mask = None if attn_mask is None else attn_mask.expand(*batch, lq, lk).unsqueeze(-3)
-    budget = (BLOCK_BYTES if block_bytes is None else block_bytes) // (
-        max(1, math.prod(batch) * size) * (torch.finfo(work).bits // 8))  # score entries per block
-    # S = (scale Q) K^T, and dS = scale (dQ K^T + Q dK^T) as one product [scale dQ, scale Q] [K, dK]^T;
-    # the scale is folded into the (T x E) factors once, not applied to every block of scores. Where both
-    # are needed, scale Q is the second half of the left factor (a view), not a copy of its own.
-    if dk is not None and size == 1:  # one tangent: scale Q is a view of the left factor
-        left = _cat_last([dq * scale, q * scale]) if dq is not None else q * scale
-        q_scaled = left[..., -e:]
+    size = next((t.shape[0] for t in (dq, dk, dv) if t is not None), 1)
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    n = math.prod(batch)
+    dtype = q.dtype if out is None else out.dtype
+    # The results in the layout of q (SDPA's CPU kernel gives its output the query's layout), the k tangents outermost.
+    primal = out if out is not None else _zeros_in_layout(q, (*batch, lq, ev), work)
+    tangent = _zeros_in_layout(q, (size, *batch, lq, ev), work)
+    if lk == 0 or lq == 0 or (dq is None and dk is None and dv is None):  # no key to attend to: SDPA gives 0
+        return (out if out is not None else primal.to(dtype)), _unbatch(tangent, batched).to(dtype)
+    # Each product is a single bmm on 3-d views of the inputs (copies only where their batch dims cannot be
+    # merged): primals (n, T, E), tangents (k n, T, E), the k tangents outermost. The scale is the products' alpha.
+    q3, k3, v3 = (_flat(t, work, batch) for t in (q, k, v))
+    dq3, dk3, dv3 = (None if t is None else _flat(t, work, (size, *batch)) for t in (dq, dk, dv))
+    # dS = scale (dQ K^T + Q dK^T): with both tangents, one product [dQ, Q] [K, dK]^T of inner dim 2E (faster than
+    # two of E), whose factors hold Q and K for the scores too; with one, that one's product with the other primal.
+    if dq3 is not None and dk3 is not None:
+        factors = (torch.cat([dq3, _repeated(q3, size * n)], dim=-1), torch.cat([_repeated(k3, size * n), dk3], dim=-1))
+        q3, k3 = factors[0][:n, :, e:], factors[1][:n, :, :e]
     else:
-        q_scaled = q * scale
-        parts = [t for t in (None if dq is None else dq * scale, q_scaled if dk is not None else None) if t is not None]
-        left = None if not parts else (parts[0] if len(parts) == 1 else _cat_last(parts))
-    right = [t for t, d in ((k, dq), (dk, dk)) if d is not None]
-    right = None if not right else (right[0] if len(right) == 1 else _cat_last(right))
-    # The kernel's log-sum-exp, +inf on a row that sees no key (so that its P is 0, never NaN), negated: S - lse
-    # is a product with -lse as its initial value (one pass over the block less than subtracting it after).
-    neg_shift = None if lse is None else lse.to(work).unsqueeze(-1).unsqueeze(-3).nan_to_num(
-        nan=math.inf, posinf=math.inf, neginf=math.inf).neg_()
-    # P dV for all k tangents as one product: dV's k folded into its columns, (..., T, k E); one tangent: dV itself.
-    dv_folded = None if dv is None else (dv.squeeze(-3) if size == 1 else dv.movedim(-3, -2).flatten(-2))
-    v_flat = v.squeeze(-3)
-    masks = {}
-    for start, step in _blocks(lq, lk, budget, is_causal, plan_only=q.is_meta):
-        rows = slice(start, start + step)
-        # Causal attention (top-left aligned) reads keys 0..row only: later keys are skipped.
-        cols = slice(0, min(lk, rows.stop) if is_causal else lk)
-        s = _scores(q_scaled[..., rows, :], k[..., cols, :], None if neg_shift is None else neg_shift[..., rows, :])
+        factors = (dq3, k3) if dq3 is not None else (q3, dk3)
+    # P dV for the k tangents as one product: dV's k folded into its columns, (n, T, k E)
+    dv_folded = None if dv3 is None else dv3.unflatten(0, (size, n)).permute(1, 2, 0, 3).flatten(-2)
+    o3 = None if out is None else _flat(out, work, batch)
+    mask = None if attn_mask is None else attn_mask.expand(*batch, lq, lk)
+    budget = (BLOCK_BYTES if block_bytes is None else block_bytes) // (
+        max(1, n * size) * (torch.finfo(work).bits // 8))  # score entries per block
+    blocks = _blocks(lq, lk, budget, is_causal, plan_only=q.is_meta)
+    most = max(step * (min(lk, start + step) if is_causal else lk) for start, step in blocks)
+    # Where no graph is built, each block's scores (then its dS, k of them) and probabilities are written into two
+    # buffers allocated once per call: a fresh block-sized tensor can cost more than the product filling it (a
+    # 1.5 MB bmm result measured 3x the time of the same product into a buffer, on the CPU).
+    buffer, probabilities = (None, None) if graph else (q3.new_zeros(n * size * most), q3.new_zeros(n * most))
+    # Causal blocks (top-left aligned) mask the keys beyond each row: one triangle, sliced for every block.
+    most_rows = max(step for _, step in blocks)
+    later_keys = _later_keys(most_rows, most_rows - 1, q.device) if is_causal else None
+    minus_inf = None if mask is None or mask.dtype != torch.bool else q3.new_full((), float("-inf"))
+    count = size * n
+    for start, step in blocks:  # (narrow, not [:, a:b]: one op, not two, per slice: this loop runs thousands of times)
+        stop = min(lk, start + step) if is_causal else lk  # causal: keys 0..row only
+        s = _product(q3.narrow(1, start, step), k3.narrow(1, 0, stop), scale, buffer)
         if mask is not None:
-            block = mask[..., rows, cols]
-            s = s.masked_fill_(~block, float("-inf")) if block.dtype == torch.bool else s.add_(block)
-        if is_causal and start + 1 < cols.stop:  # only the keys beyond the block's first row
-            later = (step, cols.stop - start - 1)
-            if later not in masks:  # the blocks share a few shapes: each mask built once per call
-                masks[later] = _later_keys(*later, q.device)
-            s[..., start + 1:cols.stop].masked_fill_(masks[later], float("-inf"))
-        p = s.exp_() if neg_shift is not None else _safe_softmax_(s)  # in place: s becomes P
+            block, shaped = mask.narrow(-2, start, step).narrow(-1, 0, stop), s.view(*batch, step, stop)
+            torch.where(block, shaped, minus_inf, out=shaped) if minus_inf is not None else shaped.add_(block)
+        if is_causal and start + 1 < stop:  # the keys beyond the block's first row
+            later = stop - start - 1
+            s.narrow(2, start + 1, later).masked_fill_(later_keys.narrow(0, 0, step).narrow(1, 0, later), float("-inf"))
+        p = _probabilities(s, mask is not None, None if probabilities is None else _front(probabilities, s.shape))
         del s
+        if out is None:  # the primal's rows
+            o_rows = torch.bmm(p, v3.narrow(1, 0, stop))
+            primal.narrow(-2, start, step).copy_(o_rows.view(*batch, step, ev))
+        else:
+            o_rows = o3.narrow(1, start, step)
         d_o = None
-        if dv_folded is not None:
-            d_o = (p.squeeze(-3) @ dv_folded[..., cols, :]).unflatten(-1, (size, ev)).movedim(-2, -3)
-        if left is not None:
-            p_ds = (left[..., rows, :] @ right[..., cols, :].mT).mul_(p)  # (..., k, rows, cols)
+        if dv_folded is not None:  # P dV: (n, rows, k E) as (k n, rows, E)
+            d_o = torch.bmm(p, dv_folded.narrow(1, 0, stop))
+            d_o = d_o if size == 1 else d_o.unflatten(-1, (size, ev)).permute(2, 0, 1, 3).flatten(0, 1)
+        if dq3 is not None or dk3 is not None:  # dS into the buffer, then P o dS in place: (k n, rows, keys)
+            p_ds = _product(_repeated(factors[0].narrow(1, start, step), count),
+                            _repeated(factors[1].narrow(1, 0, stop), count), scale, buffer)
+            p_ds.view(size, n, step, stop).mul_(p)
             del p
-            # (P o dS) V with the k tangents stacked as rows: V is not copied k times; and the row sums of P o dS.
+            # (P o dS) V - rowsum(P o dS) o O, V and O shared by the k tangents
             row_sums = p_ds.sum(dim=-1, keepdim=True)
-            pv = (p_ds.flatten(-3, -2) @ v_flat[..., cols, :]).unflatten(-2, (size, step))
-            del p_ds  # before the term's temporaries: the block is the largest tensor here
-            term = pv.sub_(row_sums * o[..., rows, :])
+            term = torch.bmm(p_ds, _repeated(v3.narrow(1, 0, stop), count))
+            del p_ds
+            term.view(size, n, step, ev).addcmul_(row_sums.view(size, n, step, 1), o_rows, value=-1)
             d_o = term if d_o is None else term.add_(d_o)
-        tangent[..., rows, :] = d_o
-    return _unbatch(tangent, batched).to(out.dtype)
+        tangent.narrow(-2, start, step).copy_(d_o.view(size, *batch, step, ev))
+    result = primal.to(dtype) if out is None else out
+    return result, _unbatch(tangent, batched).to(dtype)
 
 
-def _scores(q_scaled, k, neg_shift):
-    r"""A block of scores :math:`(\mathrm{scale}\,Q) K^\top`, minus the log-sum-exp where given (``neg_shift``: -lse).
+def _flat(t, dtype, batch):
+    """``t`` (batch dims broadcastable to ``batch``) as a 3-d ``(prod(batch), T, E)`` tensor of ``dtype``: a view
+    where its batch dims merge, else a copy."""
+    t = t.to(dtype)
+    return t.expand(*batch, *t.shape[-2:]).reshape(math.prod(batch), *t.shape[-2:])
 
-    Shape ``(..., 1, rows, cols)``, once for all tangents. The shift is the product's initial value
-    (``baddbmm``) where Q and K have the same batch dimensions; else it is added after.
-    """
-    if neg_shift is None:
-        return q_scaled @ k.mT
-    if q_scaled.shape[:-2] != k.shape[:-2]:
-        return (q_scaled @ k.mT).add_(neg_shift)
-    batch, rows, cols = q_scaled.shape[:-2], q_scaled.shape[-2], k.shape[-2]
-    s = torch.baddbmm(neg_shift.expand(*batch, rows, cols).reshape(-1, rows, cols), q_scaled.reshape(-1, rows, q_scaled.shape[-1]),
-                      k.reshape(-1, cols, k.shape[-1]).mT)
-    return s.reshape(*batch, rows, cols)
+
+def _repeated(t, count):
+    """``(m, T, E)`` rows as ``(count, T, E)``, repeated ``count / m`` times (a primal's for k tangents), or ``t`` itself."""
+    return t if t.shape[0] == count else t.expand(count // t.shape[0], *t.shape).flatten(0, 1)
+
+
+def _product(a, b, alpha, buffer):
+    r"""``alpha * a @ b^T`` (3-d), written into the front of ``buffer`` where one is given (no allocation per block)."""
+    if buffer is None:
+        return torch.bmm(a, b.mT).mul_(alpha)
+    out = _front(buffer, (a.shape[0], a.shape[1], b.shape[1]))
+    return torch.baddbmm(out, a, b.mT, beta=0, alpha=alpha, out=out)
+
+
+def _front(buffer, shape):
+    """The front of a flat ``buffer`` as a contiguous tensor of ``shape``."""
+    return buffer.narrow(0, 0, math.prod(shape)).view(shape)
+
+
+def _zeros_in_layout(like, shape, dtype):
+    """Zeros of ``shape`` whose last ``like.dim()`` dimensions lie in memory in the order of ``like``'s strides
+    (any leading ones outermost). Zeros, not empty: a mode that watches for NaN would see stale memory's."""
+    lead = len(shape) - like.dim()
+    order = list(range(lead)) + sorted(range(lead, len(shape)), key=lambda d: -like.stride(d - lead))
+    return torch.zeros([shape[d] for d in order], dtype=dtype, device=like.device).permute(
+        [order.index(d) for d in range(len(shape))])
 
 
 def _later_keys(rows, keys, device):
     """Which of the ``keys`` after a causal block's first row each of its ``rows`` must not see.
 
     Row i of the block (query ``start + i``) sees key ``start + 1 + j`` only if ``j < i``, wherever
-    the block starts. Kept for one call only: under a fake or meta mode a tensor cached longer
-    would outlive the mode.
+    the block starts; a block of r rows and m such keys reads the top-left ``[:r, :m]`` of this
+    triangle. Kept for one call only: under a fake or meta mode a tensor cached longer would
+    outlive the mode.
     """
     return torch.ones(rows, keys, dtype=torch.bool, device=device).triu_()
 
@@ -226,14 +270,14 @@ def _blocks(lq, lk, budget, is_causal, plan_only=False):
 
 
 def _unbatch(tangent, batched):
-    """The tangent of :func:`blockwise_tangent` in the caller's layout: (k, ..., T, E), or (..., T, E)."""
-    return tangent.movedim(-3, 0) if batched else tangent.squeeze(-3)
+    """The ``(k, ..., T, E)`` tangent of :func:`blockwise_attention` in the caller's layout: as it is, or (..., T, E)."""
+    return tangent if batched else tangent.squeeze(0)
 
 
-@defrule(Path.ATTENTION, F.scaled_dot_product_attention, reason="fused primal, blockwise tangent",
+@defrule(Path.ATTENTION, F.scaled_dot_product_attention, reason="blockwise attention",
          arguments=_SDPA_ARGS, batched=True)
 def sdpa_rule(op):
-    """``F.scaled_dot_product_attention``: the user's kernel for the primal, the tangent blockwise."""
+    """``F.scaled_dot_product_attention``: primal and tangent blockwise on the CPU, the tangent alone elsewhere."""
     q, k, v = (op.primals.get(name) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return NotImplemented
@@ -249,17 +293,23 @@ def sdpa_rule(op):
         op.reroute(Path.FORWARD, reason)
         with math_backend():
             return op.func(*op.args, **op.kwargs), None  # forward AD through the math backend's ops
-    is_causal, scale = op.primals.get("is_causal", False), op.primals.get("scale")
-    fused = None
-    if (not op.primals.get("enable_gqa", False) and q.device.type in ("cpu", "meta")
-            and not _rows_masked_by_large_numbers(mask)):  # (reads the mask: only where the kernel may be taken)
-        # The kernel SDPA takes, called so that it also hands out its row statistics (the CPU flash kernel);
-        # not for rows masked by large finite numbers, whose log-sum-exp is rounded at that number.
-        fused = fused_attention_with_lse(q, k, v, mask, is_causal, scale)
-    primal, lse = fused if fused is not None else (op.primal(), None)
-    tangent = blockwise_tangent(q, k, v, primal, dq, dk, dv, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                enable_gqa=op.primals.get("enable_gqa", False), batched=op.lowered, lse=lse)
-    return primal, tangent
+    options = {"attn_mask": mask, "is_causal": op.primals.get("is_causal", False), "scale": op.primals.get("scale"),
+               "enable_gqa": op.primals.get("enable_gqa", False)}
+    return attention(op.primal, q, k, v, dq, dk, dv, batched=op.lowered, **options)
+
+
+def attention(user_kernel, q, k, v, dq, dk, dv, **options):
+    """``(out, tangent)`` of ``F.scaled_dot_product_attention`` without dropout: mixedad's attention rule.
+
+    On the CPU the primal comes from the blocks of the tangent (:func:`blockwise_attention`): the
+    CPU's fused kernel would compute every score once more. Elsewhere (CUDA's fused kernels, CPU
+    autocast, inputs that need a graph, tensor subclasses, inputs SDPA refuses) the primal is
+    ``user_kernel()``, the user's own call, and the tangent is computed from it.
+    """
+    if blockwise_primal_here(q, k, v, options.get("attn_mask")):
+        return blockwise_attention(q, k, v, dq, dk, dv, **options)
+    out = user_kernel()
+    return out, blockwise_tangent(q, k, v, out, dq, dk, dv, **options)
 
 
 #: A mask row whose largest finite entry lies below this masks its keys "by a large number"

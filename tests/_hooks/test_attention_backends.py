@@ -41,35 +41,26 @@ def test_the_fused_flags_read_false_inside_the_math_backend():
     assert hook.fused_attention_enabled()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("case", ["causal", "additive mask", "scale", "cross lengths"])
-def test_the_cpu_flash_kernel_is_sdpa_bit_for_bit_and_hands_out_the_row_log_sum_exp(case, dtype):
-    import math
-
-    import torch.nn.functional as F
-
-    gen = torch.Generator().manual_seed(0)
-    lk = 9 if case == "cross lengths" else 6
-    q = torch.randn(2, 3, 6, 4, generator=gen, dtype=dtype)
-    k, v = (torch.randn(2, 3, lk, 4, generator=gen, dtype=dtype) for _ in range(2))
-    mask = torch.randn(6, lk, generator=gen, dtype=dtype) if case == "additive mask" else None
-    is_causal, scale = case == "causal", 0.3 if case == "scale" else None
-    result = hook.fused_attention_with_lse(q, k, v, mask, is_causal, scale)
-    assert result is not None, "SDPA no longer takes the CPU flash kernel here"
-    out, lse = result
-    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale))
-    scores = q @ k.mT * (1 / math.sqrt(4) if scale is None else scale)
-    if mask is not None:
-        scores = scores + mask
-    if is_causal:
-        scores = scores.masked_fill(torch.ones(6, lk, dtype=torch.bool).triu(1), float("-inf"))
-    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
-
-
-def test_where_sdpa_may_take_another_path_no_log_sum_exp_is_offered():
+def test_where_the_rule_computes_the_primal_in_its_own_blocks():
+    """Plain CPU tensors SDPA accepts, outside autocast and with no graph to build; meta ones only in a CPU plan."""
     q = torch.randn(2, 3, 6, 4)
-    assert hook.fused_attention_with_lse(q, q, q, torch.ones(6, 6, dtype=torch.bool), False, None) is None  # bool mask
-    assert hook.fused_attention_with_lse(q[0], q[0], q[0], None, False, None) is None  # 3-d
-    assert hook.fused_attention_with_lse(q.half(), q.half(), q.half(), None, False, None) is None
-    assert hook.fused_attention_with_lse(q, q[:, :1], q[:, :1], None, False, None) is None  # heads differ
-    assert hook.fused_attention_with_lse(q.to("meta"), q.to("meta"), q.to("meta"), None, False, None) is None
+    here = hook.blockwise_primal_here
+    assert here(q, q, q, None) and here(q[0, 0], q[0, 0], q[0, 0], None)  # any number of batch dims
+    assert here(q, q, q, torch.ones(6, 6, dtype=torch.bool)) and here(q, q, q, torch.zeros(6, 6))
+    assert here(q.half(), q.half(), q.half(), None) and here(q, q[:, :1], q[:, :1], None)
+    assert here(q, torch.nn.Parameter(q, requires_grad=False), q, None)
+    assert not here(q, q.double(), q, None)  # SDPA refuses: the user's call raises its error
+    assert not here(q, q, q, torch.zeros(6, 6, dtype=torch.float64))
+    assert not here(q, q[..., :3], q, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not here(q, q, q, None)  # SDPA picks the dtype
+    grad = q.clone().requires_grad_()
+    assert not here(grad, q, q, None)
+    with torch.no_grad():
+        assert here(grad, q, q, None)
+    meta = q.to("meta")
+    assert not here(meta, meta, meta, None)
+    with hook.planning_for("cpu"):
+        assert here(meta, meta, meta, None)
+    with hook.planning_for("cuda"):
+        assert not here(meta, meta, meta, None)

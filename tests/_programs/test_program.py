@@ -110,7 +110,8 @@ def test_zoo_members_have_a_program_or_say_why_not(name, mode):
         return
     if mode == "train" and any(isinstance(m, nn.Dropout) for m in G.modules()):
         pytest.skip("dropout in training mode is refused")
-    assert_program_matches(G, z)
+    attends = name == "transformer_sdpa"  # SDPA's primal from the tangent's blocks on the CPU
+    assert_program_matches(G, z, primal_rtol=1e-13 if attends else 0.0)
 
 
 def test_the_program_keeps_buffers_as_one_forward_does():

@@ -221,51 +221,53 @@ def test_a_batch_of_tangents_equals_one_tangent_at_a_time(case, block_bytes):
     assert_close(batched, loop, rtol=1e-12)
 
 
-LSE_CASES = {
+def _spy_primals(monkeypatch):
+    """Records, for each call of the attention rule's blocks, whether they computed the primal themselves."""
+    taken = []
+    real = _attention.blockwise_attention
+
+    def spy(*args, **kwargs):
+        taken.append(kwargs.get("out") is None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_attention, "blockwise_attention", spy)
+    return taken
+
+
+OWN_PRIMAL_CASES = {
     "causal": {"is_causal": True},
     "additive mask": {"attn_mask": randn(7, 7)},
+    "bool mask": {"attn_mask": BOOL_MASK},
     "rows that see no key": {"attn_mask": torch.zeros(7, 7, dtype=F64).index_fill_(0, torch.tensor([0, 4]),
                                                                                   float("-inf"))},
+    "rows masked by finfo.min": {"attn_mask": torch.zeros(7, 7, dtype=F64).index_fill_(0, torch.tensor([2]),
+                                                                                      torch.finfo(F64).min)},
     "scale": {"scale": 0.3, "is_causal": True},
+    "gqa": {"enable_gqa": True},
 }
 
 
-@pytest.mark.parametrize("case", sorted(LSE_CASES))
-def test_the_kernels_log_sum_exp_gives_the_same_tangent(case, monkeypatch):
-    """Where the CPU flash kernel hands out its row log-sum-exp, the rule takes it, and the answer is double backward's."""
-    taken = []
-    real = _attention.blockwise_tangent
-
-    def spy(*args, **kwargs):
-        taken.append(kwargs.get("lse") is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_attention, "blockwise_tangent", spy)
-    kwargs = LSE_CASES[case]
-    G = lambda z: F.scaled_dot_product_attention(z, z * 2, z.sin(), **kwargs)  # noqa: E731
+@pytest.mark.parametrize("case", sorted(OWN_PRIMAL_CASES))
+def test_on_the_cpu_the_primal_comes_from_the_tangents_blocks(case, monkeypatch):
+    """On the CPU the rule computes the primal in the blocks of its tangent (one softmax per block for both):
+    the primal is SDPA's output to round-off, and the answer is double backward's, rows that see no key and rows
+    masked only by finfo.min (where the fused kernels' backward is inexact) included."""
+    taken = _spy_primals(monkeypatch)
+    kwargs = OWN_PRIMAL_CASES[case]
+    keys = (lambda z: z[:, :1]) if case == "gqa" else (lambda z: z)
+    G = lambda z: F.scaled_dot_product_attention(z, keys(z) * 2, keys(z).sin(), **kwargs)  # noqa: E731
     z, v = Q.clone(), randn(*Q.shape)
     y = randn(*Q.shape)
     ours = mixedad.mixed_grad(cubic, G, z, y, v, strategy="forward")
     assert taken == [True]
     expected = double_backward_mixed_grad(cubic, G, z, y, v)
     assert_close(ours, expected, rtol=1e-10)
+    from mixedad._frontend.tangents import push_tangent
+
+    (primal,), _, _ = push_tangent("test", G, (z,), (v,))
+    assert_close(primal, G(z), rtol=1e-13)
     if case == "rows that see no key":
         assert ours[..., [0, 4], :].abs().max() < 1e-12 < ours.abs().max()  # as double backward: 0 there
-
-
-def test_rows_masked_by_large_numbers_do_not_take_the_log_sum_exp(monkeypatch):
-    """The kernel's log-sum-exp of a row masked only by finfo.min is rounded there: the rule computes P itself."""
-    taken = []
-    real = _attention.blockwise_tangent
-    monkeypatch.setattr(_attention, "blockwise_tangent",
-                        lambda *a, **k: taken.append(k.get("lse") is not None) or real(*a, **k))
-    mask = torch.zeros(7, 7, dtype=F64)
-    mask[2] = torch.finfo(F64).min
-    G = lambda z: F.scaled_dot_product_attention(z, z * 2, z.sin(), attn_mask=mask)  # noqa: E731
-    z, v, y = Q.clone(), randn(*Q.shape), randn(*Q.shape)
-    assert_close(mixedad.mixed_grad(cubic, G, z, y, v, strategy="forward"), double_backward_mixed_grad(cubic, G, z, y, v),
-                 rtol=1e-10)
-    assert taken == [False]
 
 
 @pytest.mark.parametrize("lengths", [(3, 0), (0, 3)])
@@ -280,12 +282,9 @@ def test_no_keys_or_no_queries(lengths):
 
 
 def test_under_cpu_autocast_the_primal_is_the_users_call(monkeypatch):
-    """SDPA picks its dtype under autocast (bfloat16 here): the rule must not compute the primal with the
-    float32 flash kernel it calls directly elsewhere."""
-    taken = []
-    real = _attention.blockwise_tangent
-    monkeypatch.setattr(_attention, "blockwise_tangent",
-                        lambda *a, **k: taken.append(k.get("lse") is not None) or real(*a, **k))
+    """SDPA picks its dtype under autocast (bfloat16 here): the rule must not compute the primal in float32 in its
+    own blocks, as it does elsewhere on the CPU."""
+    taken = _spy_primals(monkeypatch)
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 16, generator=gen) * 0.3
 
@@ -302,3 +301,23 @@ def test_under_cpu_autocast_the_primal_is_the_users_call(monkeypatch):
     g, _, _ = push_tangent("test", G, (z,), (torch.ones_like(z),))
     assert taken == [False]
     assert g[0].dtype == plain.dtype == torch.bfloat16 and torch.equal(g[0], plain)
+
+
+@pytest.mark.parametrize("present", ["qkv", "kv", "qv", "qk", "q", "k", "v"])
+@pytest.mark.parametrize("own_primal", [True, False])
+def test_any_set_of_tangents_against_forward_ad_and_inputs_left_alone(present, own_primal):
+    """Found in review: with Q alone and no tangent of it, the scaled Q was a view of the caller's Q and was
+    scaled in place. Every subset of tangents: the math backend's forward AD to round-off, inputs untouched."""
+    q, k, v = randn(2, 3, 7, 5), randn(2, 3, 6, 5), randn(2, 3, 6, 4)
+    tangents = {name: randn(*t.shape) if name in present else None for name, t in zip("qkv", (q, k, v))}
+    before = [t.clone() for t in (q, k, v, *[t for t in tangents.values() if t is not None])]
+    from mixedad._hooks.attention_backends import math_backend
+
+    with math_backend():
+        expected_out, expected = torch.func.jvp(F.scaled_dot_product_attention, (q, k, v), tuple(
+            torch.zeros_like(p) if t is None else t for p, t in zip((q, k, v), tangents.values())))
+    out = None if own_primal else expected_out.clone()
+    got_out, got = _attention.blockwise_attention(q, k, v, *tangents.values(), out=out, block_bytes=300)
+    assert_close(got_out, expected_out, rtol=1e-13)
+    assert_close(got, expected, rtol=1e-12)
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v, *[t for t in tangents.values() if t is not None])))
