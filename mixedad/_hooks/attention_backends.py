@@ -16,6 +16,8 @@ What this relies on in torch (pinned by ``tests/_hooks/test_attention_backends.p
 - ``nn.MultiheadAttention`` takes no fast path while a ``TorchFunctionMode`` is active;
 - ``torch.backends.cuda.flash_sdp_enabled()`` and ``mem_efficient_sdp_enabled()`` are False inside
   ``sdpa_kernel(SDPBackend.MATH)``;
+- on the CPU, where ``torch._fused_sdp_choice`` answers ``SDPBackend.FLASH_ATTENTION``, SDPA's
+  output lies in memory as ``(B, T, H, E)``; elsewhere it is contiguous (:func:`output_tokens_first`).
 """
 import contextlib
 import threading
@@ -69,26 +71,68 @@ def fused_attention_enabled():
     return torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
 
 
-def blockwise_primal_here(query, key, value, attn_mask):
+def blockwise_primal_here(query, key, value, attn_mask, is_causal=False, enable_gqa=False):
     """Whether mixedad's attention rule computes SDPA's primal in its own blocks here, not with the user's kernel.
 
     Yes for plain CPU tensors (or meta ones inside :func:`planning_for` ``("cpu")``, a memory plan
-    for the CPU) that SDPA accepts (one dtype, one head dimension for query and key, a bool mask or
-    one of the query's dtype), outside CPU autocast (where SDPA picks its dtype) and with no graph
-    to build through them. Elsewhere the user's kernel computes it, and raises where SDPA would.
+    for the CPU) that SDPA accepts (:func:`_sdpa_accepts`), outside CPU autocast (where SDPA picks
+    its dtype) and with no graph to build through them. Elsewhere the user's kernel computes it,
+    and raises where SDPA would.
     """
     if cpu_autocast_on():
         return False
-    tensors = (query, key, value)
+    tensors = (query, key, value) + (() if attn_mask is None else (attn_mask,))
     planned = getattr(_PLAN, "device", None) == "cpu"
     grad = torch.is_grad_enabled()
     if any(type(t) not in (torch.Tensor, torch.nn.Parameter) or not (t.device.type == "cpu" or (planned and t.is_meta))
            or (grad and t.requires_grad) for t in tensors):
         return False
-    if any(t.dtype != query.dtype for t in tensors) or query.shape[-1] != key.shape[-1] or query.dim() < 2:
+    return _sdpa_accepts(query, key, value, attn_mask, is_causal, enable_gqa)
+
+
+def _sdpa_accepts(query, key, value, attn_mask, is_causal, enable_gqa):
+    """The checks SDPA makes of its arguments' shapes and dtypes before it computes: one dtype, at least 2 dims,
+    one head dimension for query and key, one length for key and value, batch dims that broadcast (heads
+    grouped where ``enable_gqa``), a bool mask or one of the query's dtype, not beside ``is_causal``."""
+    tensors = (query, key, value)
+    if any(t.dim() < 2 or t.dtype != query.dtype for t in tensors) or query.shape[-1] == 0:
         return False
-    return attn_mask is None or (type(attn_mask) is torch.Tensor and attn_mask.dtype in (torch.bool, query.dtype)
-                                 and not (grad and attn_mask.requires_grad))
+    if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
+        return False
+    batches = [t.shape[:-2] for t in tensors]
+    if enable_gqa:  # key and value heads repeated up to the query's
+        if any(t.dim() < 3 for t in tensors) or any(t.shape[-3] == 0 or query.shape[-3] % t.shape[-3] for t in tensors):
+            return False
+        batches = [b[:-1] + (query.shape[-3],) for b in batches]
+    try:
+        batch = torch.broadcast_shapes(*batches)
+        if attn_mask is not None:
+            torch.broadcast_shapes(attn_mask.shape, (*batch, query.shape[-2], key.shape[-2]))
+    except RuntimeError:
+        return False
+    return attn_mask is None or (not is_causal and attn_mask.dtype in (torch.bool, query.dtype))
+
+
+def output_tokens_first(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """Whether SDPA's output here lies in memory as ``(B, T, H, E)``, transposed to ``(B, H, T, E)``: where the CPU's
+    flash kernel runs (4-d inputs it takes). Elsewhere (its math path) the output is contiguous. mixedad's blocks
+    give their primal the same layout, so that G's later views see what a plain forward gives them."""
+    if query.dim() != 4:
+        return False
+    if query.is_meta:  # a memory plan for the CPU
+        return fused_kernel_would_run(query, key, value, attn_mask, "cpu") and not enable_gqa
+    choice = getattr(torch, "_fused_sdp_choice", None)
+    try:
+        from torch.nn.attention import SDPBackend
+    except ImportError:  # torch < 2.3
+        return False
+    if choice is None:
+        return False
+    try:
+        picked = choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    except TypeError:  # no enable_gqa argument
+        picked = choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale)
+    return picked == int(SDPBackend.FLASH_ATTENTION.value)
 
 
 def fused_kernel_would_run(query, key, value, attn_mask, device):

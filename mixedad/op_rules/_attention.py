@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mixedad._hooks.attention_backends import blockwise_primal_here, math_backend
+from mixedad._hooks.attention_backends import blockwise_primal_here, math_backend, output_tokens_first
 from mixedad._hooks.composites import COMPOSITES, run_inside
 from mixedad.op_rules._errors import UnderTransformError
 from mixedad.op_rules._table import Path, defrule
@@ -111,7 +111,7 @@ def blockwise_tangent(q, k, v, out, dq, dk, dv, **options):
 
 
 def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_causal=False, scale=None,
-                        enable_gqa=False, block_bytes=None, batched=False):
+                        enable_gqa=False, block_bytes=None, batched=False, tokens_first=False):
     r"""``(out, tangent)`` of ``scaled_dot_product_attention(q, k, v, ...)``, a block of queries at a time.
 
     .. math::
@@ -120,19 +120,23 @@ def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_cau
 
     ``dq``, ``dk`` and ``dv`` may be None (no tangent). With ``out`` (the primal the user's kernel
     gave), only the tangent is computed and ``out`` is returned as it is; without it, each block's
-    rows of :math:`O` come from the same probabilities as the tangent, one product
-    :math:`P [V, \dot V]`. With ``batched``, the tangents carry a leading dimension k (a batch of
-    tangents): the probabilities of a block are computed once for all of them, no primal is
-    copied k times, and the block budget is shared. Returns tensors of the attention's shape (the
-    tangent with the leading k when ``batched``) and dtype; float16 and bfloat16 are computed in
-    float32. Where no input needs a graph, the blocks' scores are written into two buffers
-    allocated once per call, so that a call costs no allocation per block.
+    rows of :math:`O` come from the same probabilities as the tangent, one more product
+    :math:`PV`, and ``tokens_first`` lays them out in memory as ``(B, T, H, E)`` (as the CPU's
+    flash kernel does; else contiguous). The tangent takes the primal's layout. With ``batched``,
+    the tangents carry a leading dimension k (a batch of tangents): the probabilities of a block
+    are computed once for all of them, no primal is copied k times, and the block budget is
+    shared. Returns tensors of the attention's shape (the tangent with the leading k when
+    ``batched``) and dtype; float16 and bfloat16 are computed in float32. Where no input needs a
+    graph, the blocks' scores are written into two buffers allocated once per call, so that a
+    call costs no allocation per block.
     """
     lq, lk, e, ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
-    if enable_gqa and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
-        repeats = q.shape[-3] // k.shape[-3]
-        k, v, dk, dv = (_repeat_heads(t, repeats) for t in (k, v, dk, dv))
+    if q.is_meta and attn_mask is not None:  # a plan: a mask G holds on another device stands for its own shape
+        attn_mask = attn_mask.to("meta")
+    if enable_gqa and q.dim() >= 3:  # each of key and value repeated up to the query's heads
+        k, dk = (_repeat_heads(t, q.shape[-3] // k.shape[-3]) for t in (k, dk))
+        v, dv = (_repeat_heads(t, q.shape[-3] // v.shape[-3]) for t in (v, dv))
     graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, out, dq, dk, dv))
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     if not batched:  # one tangent: a batch of one
@@ -141,24 +145,35 @@ def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_cau
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     n = math.prod(batch)
     dtype = q.dtype if out is None else out.dtype
-    # The results in the layout of q (SDPA's CPU kernel gives its output the query's layout), the k tangents outermost.
-    primal = out if out is not None else _zeros_in_layout(q, (*batch, lq, ev), work)
-    tangent = _zeros_in_layout(q, (size, *batch, lq, ev), work)
+    # The results in the layout SDPA gives its output; the tangent in the primal's, the k tangents outermost.
+    if out is not None:
+        primal = out
+    elif tokens_first and len(batch) == 2:  # (B, T, H, E) in memory
+        primal = torch.zeros(batch[0], lq, batch[1], ev, dtype=work, device=q.device).transpose(1, 2)
+    else:
+        primal = torch.zeros(*batch, lq, ev, dtype=work, device=q.device)
+    tangent = _zeros_in_layout(primal, (size, *batch, lq, ev), work)
     if lk == 0 or lq == 0 or (dq is None and dk is None and dv is None):  # no key to attend to: SDPA gives 0
         return (out if out is not None else primal.to(dtype)), _unbatch(tangent, batched).to(dtype)
     # Each product is a single bmm on 3-d views of the inputs (copies only where their batch dims cannot be
-    # merged): primals (n, T, E), tangents (k n, T, E), the k tangents outermost. The scale is the products' alpha.
+    # merged): primals (n, T, E), tangents (n k, T, E), the k tangents of a batch entry side by side, so that
+    # (P o dS) V stacks them as rows against one V. The scale is the products' alpha.
     q3, k3, v3 = (_flat(t, work, batch) for t in (q, k, v))
-    dq3, dk3, dv3 = (None if t is None else _flat(t, work, (size, *batch)) for t in (dq, dk, dv))
+    # The tangents as views (*batch, k, T, E), copied once, into the factors below
+    dq4, dk4, dv4 = (None if t is None else t.movedim(0, -3).expand(*batch, size, *t.shape[-2:]) for t in (dq, dk, dv))
     # dS = scale (dQ K^T + Q dK^T): with both tangents, one product [dQ, Q] [K, dK]^T of inner dim 2E (faster than
     # two of E), whose factors hold Q and K for the scores too; with one, that one's product with the other primal.
-    if dq3 is not None and dk3 is not None:
-        factors = (torch.cat([dq3, _repeated(q3, size * n)], dim=-1), torch.cat([_repeated(k3, size * n), dk3], dim=-1))
-        q3, k3 = factors[0][:n, :, e:], factors[1][:n, :, :e]
-    else:
-        factors = (dq3, k3) if dq3 is not None else (q3, dk3)
+    if dq4 is not None and dk4 is not None:
+        factors = tuple(torch.cat(pair, dim=-1).to(work).reshape(n * size, pair[0].shape[-2], 2 * e)
+                        for pair in ((dq4, _for_each_tangent(q, dq4)), (_for_each_tangent(k, dk4), dk4)))
+        q3, k3 = factors[0].unflatten(0, (n, size))[:, 0, :, e:], factors[1].unflatten(0, (n, size))[:, 0, :, :e]
+    elif dq4 is not None:
+        factors = (_flat(dq4, work, (*batch, size)), k3)
+    elif dk4 is not None:
+        factors = (q3, _flat(dk4, work, (*batch, size)))
     # P dV for the k tangents as one product: dV's k folded into its columns, (n, T, k E)
-    dv_folded = None if dv3 is None else dv3.unflatten(0, (size, n)).permute(1, 2, 0, 3).flatten(-2)
+    dv_folded = None if dv4 is None else dv4.transpose(-3, -2).to(work).reshape(n, lk, size * ev)
+    with_score_tangent = dq4 is not None or dk4 is not None
     o3 = None if out is None else _flat(out, work, batch)
     mask = None if attn_mask is None else attn_mask.expand(*batch, lq, lk)
     budget = (BLOCK_BYTES if block_bytes is None else block_bytes) // (
@@ -191,21 +206,20 @@ def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_cau
         else:
             o_rows = o3.narrow(1, start, step)
         d_o = None
-        if dv_folded is not None:  # P dV: (n, rows, k E) as (k n, rows, E)
-            d_o = torch.bmm(p, dv_folded.narrow(1, 0, stop))
-            d_o = d_o if size == 1 else d_o.unflatten(-1, (size, ev)).permute(2, 0, 1, 3).flatten(0, 1)
-        if dq3 is not None or dk3 is not None:  # dS into the buffer, then P o dS in place: (k n, rows, keys)
+        if dv_folded is not None:  # P dV: (n, rows, k E) as (n, k, rows, E)
+            d_o = torch.bmm(p, dv_folded.narrow(1, 0, stop)).unflatten(-1, (size, ev)).transpose(1, 2)
+        if with_score_tangent:  # dS into the buffer, then P o dS in place: (n, k, rows, keys)
             p_ds = _product(_repeated(factors[0].narrow(1, start, step), count),
-                            _repeated(factors[1].narrow(1, 0, stop), count), scale, buffer)
-            p_ds.view(size, n, step, stop).mul_(p)
+                            _repeated(factors[1].narrow(1, 0, stop), count), scale, buffer).view(n, size, step, stop)
+            p_ds.mul_(p.unsqueeze(1))
             del p
-            # (P o dS) V - rowsum(P o dS) o O, V and O shared by the k tangents
+            # (P o dS) V - rowsum(P o dS) o O, the k tangents stacked as rows against V, O shared by them
             row_sums = p_ds.sum(dim=-1, keepdim=True)
-            term = torch.bmm(p_ds, _repeated(v3.narrow(1, 0, stop), count))
+            term = torch.bmm(p_ds.view(n, size * step, stop), v3.narrow(1, 0, stop)).view(n, size, step, ev)
             del p_ds
-            term.view(size, n, step, ev).addcmul_(row_sums.view(size, n, step, 1), o_rows, value=-1)
+            term.addcmul_(row_sums, o_rows.unsqueeze(1), value=-1)
             d_o = term if d_o is None else term.add_(d_o)
-        tangent.narrow(-2, start, step).copy_(d_o.view(size, *batch, step, ev))
+        tangent.narrow(-2, start, step).copy_(d_o.movedim(1, 0).reshape(size, *batch, step, ev))
     result = primal.to(dtype) if out is None else out
     return result, _unbatch(tangent, batched).to(dtype)
 
@@ -217,9 +231,17 @@ def _flat(t, dtype, batch):
     return t.expand(*batch, *t.shape[-2:]).reshape(math.prod(batch), *t.shape[-2:])
 
 
+def _for_each_tangent(t, tangent):
+    """A primal ``(*batch', T, E)`` as a view of the shape of ``tangent`` (``(*batch, k, T, E)``): its k copies."""
+    return t.unsqueeze(-3).expand(*tangent.shape[:-1], t.shape[-1])
+
+
 def _repeated(t, count):
-    """``(m, T, E)`` rows as ``(count, T, E)``, repeated ``count / m`` times (a primal's for k tangents), or ``t`` itself."""
-    return t if t.shape[0] == count else t.expand(count // t.shape[0], *t.shape).flatten(0, 1)
+    """A primal's ``(n, T, E)`` as ``(count, T, E)``, each batch entry repeated for its ``count / n`` tangents (side
+    by side), or ``t`` itself where ``count`` is n."""
+    if t.shape[0] == count:
+        return t
+    return t.unsqueeze(1).expand(t.shape[0], count // t.shape[0], *t.shape[1:]).flatten(0, 1)
 
 
 def _product(a, b, alpha, buffer):
@@ -257,15 +279,18 @@ def _later_keys(rows, keys, device):
 
 def _blocks(lq, lk, budget, is_causal, plan_only=False):
     """``(start, rows)`` of each block of queries. With ``plan_only`` (meta tensors: a memory plan),
-    only the block with the most scores: each block frees its scores before the next, so the
-    largest one sets the peak, and a plan need not issue thousands of meta ops per layer."""
+    only the block with the most scores and the one with the most rows: the buffers are sized by
+    the first, a block's own temporaries grow with its rows (causal blocks: the early ones), so
+    one of the two sets the peak, and a plan need not issue thousands of meta ops per layer."""
     blocks, start = [], 0
     while start < lq:
         step = _block_rows(start, lq, lk, budget, is_causal)
         blocks.append((start, step))
         start += step
     if plan_only:
-        return [max(blocks, key=lambda b: b[1] * (min(lk, b[0] + b[1]) if is_causal else lk))]
+        largest = max(blocks, key=lambda b: b[1] * (min(lk, b[0] + b[1]) if is_causal else lk))
+        tallest = max(blocks, key=lambda b: b[1])
+        return sorted({largest, tallest})
     return blocks
 
 
@@ -306,8 +331,10 @@ def attention(user_kernel, q, k, v, dq, dk, dv, **options):
     autocast, inputs that need a graph, tensor subclasses, inputs SDPA refuses) the primal is
     ``user_kernel()``, the user's own call, and the tangent is computed from it.
     """
-    if blockwise_primal_here(q, k, v, options.get("attn_mask")):
-        return blockwise_attention(q, k, v, dq, dk, dv, **options)
+    mask, causal, gqa = options.get("attn_mask"), options.get("is_causal", False), options.get("enable_gqa", False)
+    if blockwise_primal_here(q, k, v, mask, causal, gqa):
+        tokens_first = output_tokens_first(q, k, v, mask, causal, options.get("scale"), gqa)
+        return blockwise_attention(q, k, v, dq, dk, dv, tokens_first=tokens_first, **options)
     out = user_kernel()
     return out, blockwise_tangent(q, k, v, out, dq, dk, dv, **options)
 

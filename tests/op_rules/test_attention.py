@@ -321,3 +321,126 @@ def test_any_set_of_tangents_against_forward_ad_and_inputs_left_alone(present, o
     assert_close(got_out, expected_out, rtol=1e-13)
     assert_close(got, expected, rtol=1e-12)
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v, *[t for t in tangents.values() if t is not None])))
+
+
+def _broadcast_keys_generator(batch=3, heads=2, lq=4, lk=5, e=4):
+    """Per-sample queries, keys and values shared by the batch (3-d k and v broadcast over 4-d q)."""
+    wq, wkv = randn(batch * heads * lq * e, 6) * 0.3, randn(2 * heads * lk * e, 6) * 0.3
+
+    def G(z):
+        q = torch.tanh(wq @ z).view(batch, heads, lq, e)
+        k, v = torch.tanh(wkv @ z).view(2, heads, lk, e)
+        return F.scaled_dot_product_attention(q, k, v)
+
+    return G
+
+
+def test_a_batch_of_tangents_with_keys_of_fewer_dims_than_the_queries():
+    """Found in review: a batch of k tangents of 3-d keys beside 4-d queries lined k up with the batch dim, silently
+    when k equalled the batch (1.27 off under vmap, 0.86 in mixed_jacobian), an error otherwise."""
+    from mixedad.reference import double_backward_mixed_jacobian
+
+    G = _broadcast_keys_generator()
+    z, y = randn(6), randn(3, 2, 4, 4)
+    tangents = randn(3, 6)  # as many tangents as batch entries
+    ours = torch.func.vmap(lambda v: mixedad.mixed_grad(cubic, G, z, y, v))(tangents)
+    assert_close(ours, torch.stack([double_backward_mixed_grad(cubic, G, z, y, v) for v in tangents]))
+    expected = double_backward_mixed_jacobian(cubic, G, z, y)
+    for chunk in (None, 3, 4):
+        assert_close(mixedad.mixed_jacobian(cubic, G, z, y, chunk_size=chunk), expected)
+
+
+def _heads(t):  # (2, 6, 32) -> (2, 4, 6, 8): heads from the channels, as attention layers do
+    return t.view(2, 6, 4, 8).transpose(1, 2)
+
+
+LAYOUT_CASES = {  # (q, k, v) from three (2, 6, 32) projections
+    "4-d, the CPU's flash kernel": lambda q, k, v: (_heads(q), _heads(k), _heads(v)),
+    "3-d": lambda q, k, v: (q, k, v),
+    "5-d": lambda q, k, v: tuple(t.view(2, 6, 2, 2, 8).permute(0, 2, 3, 1, 4) for t in (q, k, v)),
+    "keys of fewer dims": lambda q, k, v: (_heads(q), _heads(k)[0], _heads(v)[0]),
+    "value head dim differs": lambda q, k, v: (_heads(q), _heads(k), _heads(v)[..., :5]),
+}
+@pytest.mark.parametrize("case", sorted(LAYOUT_CASES))
+def test_g_sees_the_layout_of_a_plain_forward(case):
+    """Found in review: the primal took q's layout where SDPA's math path gives a contiguous output, so a view after
+    attention that works in a plain forward failed under mixed_grad. Primal and tangent take SDPA's layout (the
+    strides a plain forward gives: a view that works there works here)."""
+    w = randn(96, 8) * 0.3
+
+    def attend(x):
+        return F.scaled_dot_product_attention(*LAYOUT_CASES[case](*(x @ w.T).split(32, dim=-1)))
+
+    def G(x):
+        out = attend(x)
+        return out.reshape(out.shape[0], -1)
+
+    z, v = randn(2, 6, 8), randn(2, 6, 8)
+    with torch.no_grad():
+        plain = attend(z)
+    from mixedad._frontend.tangents import push_tangent
+
+    seen = []
+    (primal,), _, _ = push_tangent("test", lambda x: seen.append(attend(x)) or G(x), (z,), (v,))
+    assert seen[0].stride() == plain.stride() and seen[0].shape == plain.shape
+    y = randn(*G(z).shape)
+    assert_close(mixedad.mixed_grad(cubic, G, z, y, v), double_backward_mixed_grad(cubic, G, z, y, v))
+
+
+REFUSED = {
+    "value longer than key": lambda q: F.scaled_dot_product_attention(q[0], q[0], torch.cat([q[0], q[0]], dim=-2)),
+    "mask beside is_causal": lambda q: F.scaled_dot_product_attention(q[0], q[0], q[0], is_causal=True,  # (3-d)
+                                                                      attn_mask=torch.ones(5, 5, dtype=torch.bool)),
+    "gqa on 2-d inputs": lambda q: F.scaled_dot_product_attention(q[0, 0], q[0, 0], q[0, 0], enable_gqa=True),
+    "mask that does not broadcast": lambda q: F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 5, 5) > 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_inputs_sdpa_refuses_raise_its_own_error(case):
+    """Found in review: the blocks accepted what SDPA refuses (a value longer than the key was cut to the key's
+    length, a mask beside is_causal applied both). Such calls go to the user's own SDPA, which raises. (3-d inputs:
+    the CPU's flash kernel, which 4-d ones reach, accepts the first two.)"""
+    G = REFUSED[case]
+    z = randn(1, 2, 5, 4)
+    with pytest.raises((RuntimeError, IndexError)) as plain:
+        G(z)
+    with pytest.raises((RuntimeError, IndexError)) as ours:
+        mixedad.mixed_grad(cubic, G, z, randn(1, 2, 5, 4), randn(1, 2, 5, 4))
+    assert type(ours.value) is type(plain.value) and str(ours.value) == str(plain.value)
+
+
+def test_unbatched_and_grouped_heads_of_their_own():
+    """Found in review: 2-d query, key and value (no batch dims) crashed the blocks; GQA where key and value have
+    different head counts repeated the value by the key's ratio."""
+    w = randn(4 * 6, 4) * 0.3
+
+    def unbatched(z):
+        return F.scaled_dot_product_attention(*(torch.tanh(z @ w[i * 4:(i + 1) * 4].T) for i in range(3)))
+
+    def grouped(z):  # 6 query heads, 2 key heads, 3 value heads
+        x = z @ w.T  # (5, 24)
+        q = x.view(5, 6, 4).transpose(0, 1)
+        k, v = x[:, :8].reshape(5, 2, 4).transpose(0, 1), x[:, 8:20].reshape(5, 3, 4).transpose(0, 1)
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True)
+
+    for G in (unbatched, grouped):
+        z, v = randn(5, 4), randn(5, 4)
+        y = randn(*G(z).shape)
+        assert_close(mixedad.mixed_grad(cubic, G, z, y, v), double_backward_mixed_grad(cubic, G, z, y, v))
+
+
+def test_a_plan_of_a_mask_held_outside_g():
+    """Found in review: a CPU plan of attention with a bool mask G reads from outside (not a buffer) failed on meta."""
+    mask = torch.rand(8, 8, generator=gen) > 0.3
+    mask[:, 0] = True
+    w = randn(48, 16) * 0.3
+
+    def G(z):
+        q, k, v = (z @ w.T).view(1, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    z, y = randn(1, 8, 16), randn(1, 2, 8, 8)
+    planned = mixedad.profiling.plan(cubic, G, z, y, device="cpu", methods="mixed_grad").peaks["mixed_grad"]
+    measured = peak_memory(mixedad.mixed_grad, cubic, G, z, y)[1]
+    assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
