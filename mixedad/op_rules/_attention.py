@@ -158,7 +158,7 @@ def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_cau
     # Each product is a single bmm on 3-d views of the inputs (copies only where their batch dims cannot be
     # merged): primals (n, T, E), tangents (n k, T, E), the k tangents of a batch entry side by side, so that
     # (P o dS) V stacks them as rows against one V. The scale is the products' alpha.
-    q3, k3, v3 = (_flat(t, work, batch) for t in (q, k, v))
+    v3 = _flat(v, work, batch)
     # The tangents as views (*batch, k, T, E), copied once, into the factors below
     dq4, dk4, dv4 = (None if t is None else t.movedim(0, -3).expand(*batch, size, *t.shape[-2:]) for t in (dq, dk, dv))
     # dS = scale (dQ K^T + Q dK^T): with both tangents, one product [dQ, Q] [K, dK]^T of inner dim 2E (faster than
@@ -167,10 +167,12 @@ def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_cau
         factors = tuple(torch.cat(pair, dim=-1).to(work).reshape(n * size, pair[0].shape[-2], 2 * e)
                         for pair in ((dq4, _for_each_tangent(q, dq4)), (_for_each_tangent(k, dk4), dk4)))
         q3, k3 = factors[0].unflatten(0, (n, size))[:, 0, :, e:], factors[1].unflatten(0, (n, size))[:, 0, :, :e]
-    elif dq4 is not None:
-        factors = (_flat(dq4, work, (*batch, size)), k3)
-    elif dk4 is not None:
-        factors = (q3, _flat(dk4, work, (*batch, size)))
+    else:
+        q3, k3 = _flat(q, work, batch), _flat(k, work, batch)
+        if dq4 is not None:
+            factors = (_flat(dq4, work, (*batch, size)), k3)
+        elif dk4 is not None:
+            factors = (q3, _flat(dk4, work, (*batch, size)))
     # P dV for the k tangents as one product: dV's k folded into its columns, (n, T, k E)
     dv_folded = None if dv4 is None else dv4.transpose(-3, -2).to(work).reshape(n, lk, size * ev)
     with_score_tangent = dq4 is not None or dk4 is not None
