@@ -39,8 +39,12 @@ def _has_tangent(node):
 
 
 class _Builder:
-    def __init__(self, traced):
-        self.traced = traced
+    """Writes a program node by node. ``eager``: the program runs without a compiler (a chain's), so its rules may
+    save passes and tensors a compiler would save by itself (a batch norm folded into the convolution before it,
+    activations in place)."""
+
+    def __init__(self, traced, eager=False):
+        self.traced, self.eager = traced, eager
         self.graph = fx.Graph()
         self.primal, self.tangent = {}, {}
         self._tuples = set()
@@ -134,7 +138,7 @@ def write(G, zs, *, trace_code=True):
     """
     n_inputs = len(zs)
     traced = trace(G, zs) if trace_code else chain(G, zs)
-    builder = _Builder(traced)
+    builder = _Builder(traced, eager=not trace_code)
     graph = builder.graph
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     if len(placeholders) < n_inputs or any(not n.args for n in placeholders[n_inputs:]):

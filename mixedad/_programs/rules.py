@@ -157,9 +157,21 @@ def _fold_into_conv(e, t):
         return None
     if conv_node.meta.get(NDIM) != conv.weight.dim():  # unbatched: channels first, not where the norm reads them
         return None
-    folded = e.call(T.conv_batch_norm_eval, t.args[0], e.module_node(), t.args[1])
     e.builder.drop_if_unused(t)
-    return folded
+    if e.builder.eager and _one_layer(e, conv, conv_node):  # the primal too, from the conv's input
+        pair = e.call(T.conv_batch_norm_eval_pair, t.args[0], e.module_node(), e.builder.primal[conv_node.args[0]],
+                      t.args[1])
+        e.builder.drop_if_unused(e.builder.primal[conv_node])
+        e.replace_primal(e.call(operator.getitem, pair, 0))
+        return e.call(operator.getitem, pair, 1)
+    return e.call(T.conv_batch_norm_eval, t.args[0], e.module_node(), t.args[1])
+
+
+def _one_layer(e, conv, conv_node):
+    """Whether an eval batch norm and the convolution before it may run as one convolution in the program: the
+    convolution's output feeds the batch norm alone, both are called on one input, neither replaces its forward."""
+    return (len(conv_node.users) == 1 and len(conv_node.args) == 1 and not conv_node.kwargs and len(e.node.args) == 1
+            and not e.node.kwargs and "forward" not in vars(conv) and "forward" not in vars(e.module))
 
 
 def _instance_norm_module(e):
@@ -210,9 +222,22 @@ def _in_place_check(e, fn, values, inplace):
 def _pointwise_module(fn, params):
     def rule(e):
         values = {name: getattr(e.module, name) for name in params}
-        _in_place_check(e, fn, values, getattr(e.module, "inplace", False))
+        inplace = getattr(e.module, "inplace", False)
+        _in_place_check(e, fn, values, inplace)
+        if not inplace and e.builder.eager and _overwritable(e, fn, values):  # no tensor of its own for the primal
+            e.replace_primal(e.call(T.IN_PLACE[fn], e.input(), values))
         return e.call(fn, e.only_first(), e.input(), e.y, values)
     return rule
+
+
+def _overwritable(e, fn, values):
+    """Whether an activation module's primal may be computed in place in a program run eagerly: its input is a
+    tensor of its own that nothing else reads, its tangent reads the output alone (:data:`T.IN_PLACE`), and the
+    module runs its class's forward on one input."""
+    node_input = e.node.args[0] if len(e.node.args) == 1 and not e.node.kwargs else None
+    return (fn in T.IN_PLACE and not (fn is T.leaky_relu and values["negative_slope"] < 0)
+            and isinstance(node_input, fx.Node) and len(node_input.users) == 1 and _fresh(node_input)
+            and "forward" not in vars(e.module))
 
 
 def _linear_module_without_weights(e):

@@ -35,14 +35,14 @@ def linear(t, weight):
     return _linear_tangent(t, weight)
 
 
-def conv(m, t, weight=None):
+def conv(m, t, weight=None, bias=None):
     """A frozen (transposed) convolution module's tangent: the module's convolution of ``t``, no bias
-    (with ``weight`` in place of the module's, if given)."""
+    (with ``weight`` in place of the module's, and ``bias``, if given)."""
     weight = m.weight if weight is None else weight
     transpose = _CONV_TRANSPOSE.get(type(m))
     if transpose is not None:
-        return transpose(t, weight, None, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
-    return m._conv_forward(t, weight, None)
+        return transpose(t, weight, bias, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
+    return m._conv_forward(t, weight, bias)
 
 
 def conv_batch_norm_eval(m, bn, t):
@@ -61,6 +61,26 @@ def conv_batch_norm_eval(m, bn, t):
     if weight is None:
         return batch_norm_eval(bn, conv(m, t))
     return conv(m, t, weight)
+
+
+def conv_batch_norm_eval_pair(m, bn, x, t):
+    r"""``(bn(m(x)), tangent)`` of an eval batch norm ``bn`` after the convolution ``m``, both as one
+    convolution (:func:`mixedad.op_rules._frozen_layers.folded_weight`):
+
+    .. math::
+
+        \operatorname{bn}(\operatorname{conv}(x, W) + b) = \operatorname{conv}(x, W s, (b - \mu) s + \beta),
+        \qquad \dot y = \operatorname{conv}(\dot x, W s)
+
+    One scaled weight serves primal and tangent, and the primal skips the batch norm's pass and its
+    tensor. The primal differs from ``bn(m(x))`` by round-off. For programs run eagerly (a compiler fuses the
+    batch norm into the element-wise kernel after the convolution by itself); where the scaled weight
+    would be the larger copy (:func:`conv_batch_norm_eval`), the two layers as they are."""
+    folded = None if torch.compiler.is_compiling() else folded_weight(m, bn, t, with_bias=True)
+    if folded is None:
+        return bn(m(x)), batch_norm_eval(bn, conv(m, t))
+    weight, bias = folded
+    return conv(m, x, weight, bias), conv(m, t, weight)
 
 
 def batch_norm_eval(m, t):
@@ -146,6 +166,22 @@ def strided_as(x, stride):
     if x.stride() == tuple(stride):
         return x
     return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def relu_in_place(x, params):
+    return x.relu_()
+
+
+def tanh_in_place(x, params):
+    return x.tanh_()
+
+
+def sigmoid_in_place(x, params):
+    return x.sigmoid_()
+
+
+def leaky_relu_in_place(x, params):
+    return F.leaky_relu_(x, params["negative_slope"])
 
 
 # Pointwise activations: (t, x, y, module or keyword values) -> tangent.
@@ -291,3 +327,9 @@ def constant(out):
     if isinstance(out, torch.Tensor) and out.is_floating_point():
         return torch.zeros_like(out)
     return None
+
+
+#: The primal of an activation computed in place, by its tangent function: where a program may overwrite the
+#: activation's input (a tensor of its own that nothing else reads), and the tangent reads the output alone
+#: (leaky ReLU: a slope of at least 0). The same kernels as the out-of-place call, so the same numbers.
+IN_PLACE = {relu: relu_in_place, tanh: tanh_in_place, sigmoid: sigmoid_in_place, leaky_relu: leaky_relu_in_place}

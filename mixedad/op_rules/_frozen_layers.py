@@ -216,10 +216,18 @@ def _fold(op):
     return None if weight is None else (weight, bn)
 
 
-def folded_weight(conv, bn, x_tangent):
-    """``conv``'s weight times eval ``bn``'s scale per output channel (``conv`` an exact ``nn.Conv*`` or
+def folded_weight(conv, bn, x_tangent, *, with_bias=False):
+    r"""``conv``'s weight times eval ``bn``'s scale per output channel (``conv`` an exact ``nn.Conv*`` or
     ``nn.ConvTranspose*`` of one group), or None: where the two do not match (channels, dtype), or where
-    the copy would cost more memory than the scaling pass over ``x_tangent`` it saves (:data:`FOLD_RATIO`)."""
+    the copy would cost more memory than the scaling pass over ``x_tangent`` it saves (:data:`FOLD_RATIO`).
+
+    With ``with_bias``, ``(weight, bias)``: the two layers as one convolution,
+
+    .. math::
+
+        \operatorname{bn}(\operatorname{conv}(x, W) + b) = \operatorname{conv}\big(x,\ W s,\ (b - \mu) s + \beta\big),
+        \qquad s = \gamma / \sqrt{\sigma^2_{\text{running}} + \epsilon}
+    """
     if conv.weight.numel() * FOLD_RATIO > x_tangent.numel():
         return None
     dim = _CONVOLUTIONS[type(conv)]
@@ -228,7 +236,13 @@ def folded_weight(conv, bn, x_tangent):
         return None
     shape = [1] * conv.weight.dim()
     shape[dim] = -1
-    return conv.weight * scale.reshape(shape)
+    weight = conv.weight * scale.reshape(shape)
+    if not with_bias:
+        return weight
+    if bn.running_mean.dtype != scale.dtype or (conv.bias is not None and conv.bias.dtype != scale.dtype):
+        return None
+    bias = (bn.running_mean if conv.bias is None else bn.running_mean - conv.bias) * -scale
+    return weight, (bias if bn.bias is None else bias.add_(bn.bias))
 
 
 def _folded_into(x_tangent, bound):

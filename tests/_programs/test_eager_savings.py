@@ -1,0 +1,125 @@
+"""The default's programs (run without a compiler) save passes and tensors: an eval batch norm and the convolution
+before it run as one convolution for the primal too, and activations whose tangent reads their output alone run in
+place on a tensor of the program's own. Each saving is checked against double backward, against a plain forward,
+and for what it must leave alone: G's buffers and the caller's tensors."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixedad
+from mixedad._programs import compiled
+from mixedad._programs import tangents as T
+from mixedad.reference import double_backward_mixed_grad
+from tests._programs.common import D, f
+
+
+def _program_calls(G, z, y, v):
+    """Three calls of the default (per-op pass, check, program alone), each against double backward; the entry."""
+    twin = copy.deepcopy(G)
+    for call in range(3):
+        reference = double_backward_mixed_grad(f, copy.deepcopy(twin), z, y, v)
+        ours = mixedad.mixed_grad(f, G, z, y, v)
+        with torch.no_grad():
+            twin(z)
+        assert (ours - reference).abs().max() <= 1e-9 * reference.abs().max(), f"call {call + 1}"
+        for (key, mine), theirs in zip(G.state_dict().items(), twin.state_dict().values()):
+            assert torch.equal(mine, theirs), f"call {call + 1}: buffer {key}"
+    [entry] = compiled._EAGER[G].values()
+    assert entry.status == "compiled", entry.reason
+    return entry
+
+
+def _targets(entry):
+    return [getattr(n.target, "__name__", str(n.target)) for n in entry.program.module.graph.nodes]
+
+
+def _inputs(G, shape, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(shape, dtype=D, generator=gen)
+    with torch.no_grad():
+        out = G(z)
+    return z, torch.randn(out.shape, dtype=D, generator=gen), torch.randn(shape, dtype=D, generator=gen)
+
+
+@pytest.mark.parametrize("bias, affine", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("conv", [nn.Conv2d, nn.ConvTranspose2d, nn.Conv1d])
+def test_an_eval_batch_norm_runs_in_the_convolution_before_it_for_primal_and_tangent(conv, bias, affine):
+    """``bn(conv(x) + b) = conv(x, W s, (b - mu) s + beta)``: one convolution of the primal and one of the tangent,
+    one scaled weight for both; the primal within round-off of a plain forward's."""
+    torch.manual_seed(0)
+    two_d = conv is not nn.Conv1d
+    norm = nn.BatchNorm2d(6, affine=affine) if two_d else nn.BatchNorm1d(6, affine=affine)
+    G = nn.Sequential(conv(3, 6, 3, padding=1, bias=bias), norm, nn.ReLU(), conv(6, 6, 3, padding=1),
+                      nn.BatchNorm2d(6) if two_d else nn.BatchNorm1d(6), nn.Tanh()).to(D)
+    with torch.no_grad():  # running statistics and affine parameters away from their initial 0 and 1
+        for m in G:
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+                if m.affine:
+                    m.weight.uniform_(0.5, 2)
+                    m.bias.uniform_(-1, 1)
+    G.eval().requires_grad_(False)
+    z, y, v = _inputs(G, (8, 3, 5, 5) if two_d else (8, 3, 5))
+    entry = _program_calls(G, z, y, v)
+    targets = _targets(entry)
+    assert targets.count("conv_batch_norm_eval_pair") == 2 and "conv_batch_norm_eval" not in targets
+    with torch.no_grad():
+        (primal,), _ = entry.run(z, v)
+        plain = G(z)
+    assert (primal - plain).abs().max() <= 1e-13 * plain.abs().max()
+
+
+def test_a_weight_larger_than_the_tangent_keeps_the_two_layers_as_they_are():
+    """A small batch, where the scaled weight would be the larger copy: the pair is the module calls as they are (the
+    primal bit for bit) and the tangent is scaled after its convolution; a larger batch folds."""
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(4, 4, 3).to(D), nn.BatchNorm2d(4).to(D).eval()
+    with torch.no_grad():
+        bn.running_var.uniform_(0.5, 2)
+    for batch, folded in [(2, False), (16, True)]:  # weight 144 numbers, FOLD_RATIO 16: a tangent of 2304 or more
+        x, t = torch.randn(batch, 4, 6, 6, dtype=D), torch.randn(batch, 4, 6, 6, dtype=D)
+        with torch.no_grad():
+            primal, tangent = T.conv_batch_norm_eval_pair(conv, bn, x, t)
+            plain = bn(conv(x))
+            expected = torch.func.jvp(lambda x_: bn(conv(x_)), (x,), (t,))[1]
+        assert torch.equal(primal, plain) != folded
+        assert (primal - plain).abs().max() <= 1e-13 * plain.abs().max()
+        assert (tangent - expected).abs().max() <= 1e-13 * expected.abs().max()
+
+
+@pytest.mark.parametrize("activation, in_place", [
+    (nn.ReLU(), True), (nn.Tanh(), True), (nn.Sigmoid(), True), (nn.LeakyReLU(0.1), True),
+    (nn.LeakyReLU(-0.5), False),  # the tangent reads the input where the slope is negative
+    (nn.GELU(), False), (nn.SiLU(), False), (nn.Hardtanh(), False)])
+def test_an_activation_runs_in_place_only_where_its_tangent_reads_the_output_alone(activation, in_place):
+    G = nn.Sequential(nn.Linear(4, 6), activation, nn.Linear(6, 3), copy.deepcopy(activation)).to(D)
+    G.requires_grad_(False)
+    z, y, v = _inputs(G, (5, 4))
+    entry = _program_calls(G, z, y, v)
+    assert any(t.endswith("_in_place") for t in _targets(entry)) == in_place
+    with torch.no_grad():
+        (primal,), _ = entry.run(z, v)
+        assert torch.equal(primal, G(z))  # the same kernels in place: the same numbers
+
+
+@pytest.mark.parametrize("front", [[], [nn.Identity()], [nn.Flatten()], [nn.Unflatten(1, (2, 2)), nn.Flatten()],
+                                   [nn.Dropout(0.0)]])
+def test_an_activation_never_writes_into_the_callers_tensors(front):
+    """The activation's input is z itself or a view of it: computed out of place, z and v left as they were."""
+    G = nn.Sequential(*front, nn.ReLU(), nn.Linear(4, 3), nn.Tanh()).to(D).eval().requires_grad_(False)
+    z, y, v = _inputs(G, (5, 4))
+    z_before, v_before = z.clone(), v.clone()
+    versions = z._version, v._version
+    entry = _program_calls(G, z, y, v)
+    assert _targets(entry).count("relu_in_place") == 0 and _targets(entry).count("tanh_in_place") == 1
+    assert torch.equal(z, z_before) and torch.equal(v, v_before) and (z._version, v._version) == versions
+
+
+def test_train_mode_batch_norm_output_is_overwritten_by_the_activation_and_running_statistics_stay_exact():
+    G = mixedad.zoo.dcgan(2, 8, dtype=D).train().requires_grad_(False)
+    z, y, v = _inputs(G, mixedad.zoo.latent_shape(G, 4))
+    entry = _program_calls(G, z, y, v)  # buffers against plain forwards, bit for bit
+    assert "relu_in_place" in _targets(entry) and "conv_batch_norm_eval_pair" not in _targets(entry)
