@@ -224,20 +224,36 @@ def _pointwise_module(fn, params):
         values = {name: getattr(e.module, name) for name in params}
         inplace = getattr(e.module, "inplace", False)
         _in_place_check(e, fn, values, inplace)
-        if not inplace and e.builder.eager and _overwritable(e, fn, values):  # no tensor of its own for the primal
-            e.replace_primal(e.call(T.IN_PLACE[fn], e.input(), values))
-        return e.call(fn, e.only_first(), e.input(), e.y, values)
+        t, tangent_fn = e.only_first(), fn
+        if not inplace and e.builder.eager and _read_once(e, fn, values):  # no tensors of their own
+            primal_in_place, tangent_in_place = T.IN_PLACE[fn]
+            if _fresh(e.node.args[0]):
+                e.replace_primal(e.call(primal_in_place, e.input(), values))
+            if _fresh_tangent(t):
+                tangent_fn = tangent_in_place
+        return e.call(tangent_fn, t, e.input(), e.y, values)
     return rule
 
 
-def _overwritable(e, fn, values):
-    """Whether an activation module's primal may be computed in place in a program run eagerly: its input is a
-    tensor of its own that nothing else reads, its tangent reads the output alone (:data:`T.IN_PLACE`), and the
-    module runs its class's forward on one input."""
+def _read_once(e, fn, values):
+    """Whether an activation module in a program run eagerly may overwrite its input or its incoming tangent: its
+    tangent reads its output alone (:data:`T.IN_PLACE`), it runs its class's forward on one input, and nothing else
+    reads that input (nor, then, its tangent)."""
     node_input = e.node.args[0] if len(e.node.args) == 1 and not e.node.kwargs else None
     return (fn in T.IN_PLACE and not (fn is T.leaky_relu and values["negative_slope"] < 0)
-            and isinstance(node_input, fx.Node) and len(node_input.users) == 1 and _fresh(node_input)
-            and "forward" not in vars(e.module))
+            and isinstance(node_input, fx.Node) and len(node_input.users) == 1 and "forward" not in vars(e.module))
+
+
+def _fresh_tangent(t):
+    """Whether a tangent node's value is a tensor of the program's own (:data:`T.FRESH`, or the tangent a pair
+    call hands out), not the caller's v or a view of it."""
+    if not isinstance(t, fx.Node) or t.op != "call_function":
+        return False
+    if t.target is operator.getitem:
+        pair = t.args[0]
+        return (t.args[1] == 1 and isinstance(pair, fx.Node) and pair.op == "call_function"
+                and pair.target in (T.conv_batch_norm_eval_pair, T.batch_norm_module_train))
+    return t.target in T.FRESH
 
 
 def _linear_module_without_weights(e):

@@ -329,7 +329,29 @@ def constant(out):
     return None
 
 
-#: The primal of an activation computed in place, by its tangent function: where a program may overwrite the
-#: activation's input (a tensor of its own that nothing else reads), and the tangent reads the output alone
-#: (leaky ReLU: a slope of at least 0). The same kernels as the out-of-place call, so the same numbers.
-IN_PLACE = {relu: relu_in_place, tanh: tanh_in_place, sigmoid: sigmoid_in_place, leaky_relu: leaky_relu_in_place}
+def relu_tangent_in_place(t, x, y, params):
+    return torch.ops.aten.threshold_backward.grad_input(t, y, 0, grad_input=t)
+
+
+def tanh_tangent_in_place(t, x, y, params):
+    return torch.ops.aten.tanh_backward.grad_input(t, y, grad_input=t)
+
+
+def sigmoid_tangent_in_place(t, x, y, params):
+    return torch.ops.aten.sigmoid_backward.grad_input(t, y, grad_input=t)
+
+
+def leaky_relu_tangent_in_place(t, x, y, params):
+    return torch.ops.aten.leaky_relu_backward.grad_input(t, y, params["negative_slope"], True, grad_input=t)
+
+
+#: Activations whose tangent reads their output alone (leaky ReLU: a slope of at least 0), by tangent function:
+#: ``(primal in place, tangent in place)``. A program runs the first where it may overwrite the activation's input
+#: (a tensor of its own that nothing else reads), the second where it may overwrite the incoming tangent. The
+#: same kernels as the out-of-place calls, so the same numbers.
+IN_PLACE = {relu: (relu_in_place, relu_tangent_in_place), tanh: (tanh_in_place, tanh_tangent_in_place),
+            sigmoid: (sigmoid_in_place, sigmoid_tangent_in_place),
+            leaky_relu: (leaky_relu_in_place, leaky_relu_tangent_in_place)}
+#: Tangent functions whose result is a tensor of their own, never a view of their input or the input itself.
+FRESH = frozenset({conv, conv_batch_norm_eval, batch_norm_eval, linear, relu, leaky_relu, tanh, sigmoid, gelu, silu,
+                   elu, softplus, hardtanh, *(pair[1] for pair in IN_PLACE.values())})

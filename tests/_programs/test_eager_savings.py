@@ -1,6 +1,6 @@
 """The default's programs (run without a compiler) save passes and tensors: an eval batch norm and the convolution
 before it run as one convolution for the primal too, and activations whose tangent reads their output alone run in
-place on a tensor of the program's own. Each saving is checked against double backward, against a plain forward,
+place on tensors of the program's own (its input, its incoming tangent). Each saving is checked against double backward, against a plain forward,
 and for what it must leave alone: G's buffers and the caller's tensors."""
 import copy
 
@@ -99,7 +99,9 @@ def test_an_activation_runs_in_place_only_where_its_tangent_reads_the_output_alo
     G.requires_grad_(False)
     z, y, v = _inputs(G, (5, 4))
     entry = _program_calls(G, z, y, v)
-    assert any(t.endswith("_in_place") for t in _targets(entry)) == in_place
+    targets = _targets(entry)
+    assert sum(t.endswith("_tangent_in_place") for t in targets) == (2 if in_place else 0)
+    assert sum(t.endswith("_in_place") for t in targets) == (4 if in_place else 0)
     with torch.no_grad():
         (primal,), _ = entry.run(z, v)
         assert torch.equal(primal, G(z))  # the same kernels in place: the same numbers
@@ -108,13 +110,16 @@ def test_an_activation_runs_in_place_only_where_its_tangent_reads_the_output_alo
 @pytest.mark.parametrize("front", [[], [nn.Identity()], [nn.Flatten()], [nn.Unflatten(1, (2, 2)), nn.Flatten()],
                                    [nn.Dropout(0.0)]])
 def test_an_activation_never_writes_into_the_callers_tensors(front):
-    """The activation's input is z itself or a view of it: computed out of place, z and v left as they were."""
+    """The activation's input is z itself or a view of it, its tangent v or a view of it: both computed out of
+    place, z and v left as they were."""
     G = nn.Sequential(*front, nn.ReLU(), nn.Linear(4, 3), nn.Tanh()).to(D).eval().requires_grad_(False)
     z, y, v = _inputs(G, (5, 4))
     z_before, v_before = z.clone(), v.clone()
     versions = z._version, v._version
     entry = _program_calls(G, z, y, v)
-    assert _targets(entry).count("relu_in_place") == 0 and _targets(entry).count("tanh_in_place") == 1
+    targets = _targets(entry)
+    assert "relu_in_place" not in targets and "relu_tangent_in_place" not in targets
+    assert "tanh_in_place" in targets and "tanh_tangent_in_place" in targets  # after the Linear: its own tensors
     assert torch.equal(z, z_before) and torch.equal(v, v_before) and (z._version, v._version) == versions
 
 
@@ -122,4 +127,6 @@ def test_train_mode_batch_norm_output_is_overwritten_by_the_activation_and_runni
     G = mixedad.zoo.dcgan(2, 8, dtype=D).train().requires_grad_(False)
     z, y, v = _inputs(G, mixedad.zoo.latent_shape(G, 4))
     entry = _program_calls(G, z, y, v)  # buffers against plain forwards, bit for bit
-    assert "relu_in_place" in _targets(entry) and "conv_batch_norm_eval_pair" not in _targets(entry)
+    targets = _targets(entry)
+    assert "relu_in_place" in targets and "relu_tangent_in_place" in targets
+    assert "conv_batch_norm_eval_pair" not in targets
