@@ -170,6 +170,10 @@ _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 #: (its inverse) of the input's tangent, so that it never sets a pass's peak memory (a latent-to-map
 #: layer, or a wide layer at a small batch, keeps the scaling pass instead).
 FOLD_RATIO = 16
+#: The same for a convolution and eval batch norm run as one layer, primal and tangent (mixedad's eager tangent
+#: programs): there the scaled weight replaces two tensors of the layer's output, the batch norm's and the scaled
+#: tangent, so it is taken up to half the input's tangent.
+PAIR_FOLD_RATIO = 2
 _FOLD = threading.local()  # pending: weak references to the last folded tangent and its BatchNorm's running_var
 
 
@@ -221,14 +225,15 @@ def folded_weight(conv, bn, x_tangent, *, with_bias=False):
     ``nn.ConvTranspose*`` of one group), or None: where the two do not match (channels, dtype), or where
     the copy would cost more memory than the scaling pass over ``x_tangent`` it saves (:data:`FOLD_RATIO`).
 
-    With ``with_bias``, ``(weight, bias)``: the two layers as one convolution,
+    With ``with_bias``, ``(weight, bias)``: the two layers as one convolution, primal and tangent (where the weight
+    is at most 1/:data:`PAIR_FOLD_RATIO` of ``x_tangent``),
 
     .. math::
 
         \operatorname{bn}(\operatorname{conv}(x, W) + b) = \operatorname{conv}\big(x,\ W s,\ (b - \mu) s + \beta\big),
         \qquad s = \gamma / \sqrt{\sigma^2_{\text{running}} + \epsilon}
     """
-    if conv.weight.numel() * FOLD_RATIO > x_tangent.numel():
+    if conv.weight.numel() * (PAIR_FOLD_RATIO if with_bias else FOLD_RATIO) > x_tangent.numel():
         return None
     dim = _CONVOLUTIONS[type(conv)]
     scale = _eval_scale(bn.running_var, bn.weight, bn.eps)

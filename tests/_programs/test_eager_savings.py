@@ -79,7 +79,7 @@ def test_a_weight_larger_than_the_tangent_keeps_the_two_layers_as_they_are():
     conv, bn = nn.Conv2d(4, 4, 3).to(D), nn.BatchNorm2d(4).to(D).eval()
     with torch.no_grad():
         bn.running_var.uniform_(0.5, 2)
-    for batch, folded in [(2, False), (16, True)]:  # weight 144 numbers, FOLD_RATIO 16: a tangent of 2304 or more
+    for batch, folded in [(1, False), (2, True)]:  # weight 144 numbers, PAIR_FOLD_RATIO 2: a tangent of 288 or more
         x, t = torch.randn(batch, 4, 6, 6, dtype=D), torch.randn(batch, 4, 6, 6, dtype=D)
         with torch.no_grad():
             primal, tangent = T.conv_batch_norm_eval_pair(conv, bn, x, t)
