@@ -191,37 +191,50 @@ def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_cau
     later_keys = _later_keys(most_rows, most_rows - 1, q.device) if is_causal else None
     minus_inf = None if mask is None or mask.dtype != torch.bool else q3.new_full((), float("-inf"))
     count = size * n
-    for start, step in blocks:  # (narrow, not [:, a:b]: one op, not two, per slice: this loop runs thousands of times)
+    # Each block's rows of the queries, the outputs and the tangent, cut in one call each (a view per block).
+    q_rows = _rows(q3, 1, blocks)
+    f_rows = _rows(factors[0], 1, blocks) if with_score_tangent else None
+    o_block = _rows(primal if out is None else o3, -2 if out is None else 1, blocks)
+    t_block = _rows(tangent, -2, blocks)
+    single = size == 1
+    for b, (start, step) in enumerate(blocks):  # (narrow, not [:, a:b]: one op, not two, per slice)
         stop = min(lk, start + step) if is_causal else lk  # causal: keys 0..row only
-        s = _product(q3.narrow(1, start, step), k3.narrow(1, 0, stop), scale, buffer)
+        v_keys = v3 if stop == lk else v3.narrow(1, 0, stop)
+        s = _product(q_rows[b], k3 if stop == lk else k3.narrow(1, 0, stop), scale, buffer)
         if mask is not None:
             block, shaped = mask.narrow(-2, start, step).narrow(-1, 0, stop), s.view(*batch, step, stop)
             torch.where(block, shaped, minus_inf, out=shaped) if minus_inf is not None else shaped.add_(block)
-        if is_causal and start + 1 < stop:  # the keys beyond the block's first row
+        if is_causal and start + 1 < stop:  # the keys beyond the block's first row: a corner of the triangle
             later = stop - start - 1
-            s.narrow(2, start + 1, later).masked_fill_(later_keys.narrow(0, 0, step).narrow(1, 0, later), float("-inf"))
+            s.narrow(2, start + 1, later).masked_fill_(later_keys.as_strided((step, later), later_keys.stride()),
+                                                       float("-inf"))
         p = _probabilities(s, mask is not None, None if probabilities is None else _front(probabilities, s.shape))
         del s
         if out is None:  # the primal's rows
-            o_rows = torch.bmm(p, v3.narrow(1, 0, stop))
-            primal.narrow(-2, start, step).copy_(o_rows.view(*batch, step, ev))
+            o_rows = torch.bmm(p, v_keys)
+            o_block[b].copy_(o_rows.view(*batch, step, ev))
         else:
-            o_rows = o3.narrow(1, start, step)
+            o_rows = o_block[b]
+        # The k tangents as (n, k rows, E), the k tangents of a batch entry stacked as rows (one tangent: (n, rows, E))
         d_o = None
-        if dv_folded is not None:  # P dV: (n, rows, k E) as (n, k, rows, E)
-            d_o = torch.bmm(p, dv_folded.narrow(1, 0, stop)).unflatten(-1, (size, ev)).transpose(1, 2)
-        if with_score_tangent:  # dS into the buffer, then P o dS in place: (n, k, rows, keys)
-            p_ds = _product(_repeated(factors[0].narrow(1, start, step), count),
-                            _repeated(factors[1].narrow(1, 0, stop), count), scale, buffer).view(n, size, step, stop)
-            p_ds.mul_(p.unsqueeze(1))
+        if dv_folded is not None:  # P dV: (n, rows, k E), its k column blocks stacked as rows
+            d_o = torch.bmm(p, dv_folded if stop == lk else dv_folded.narrow(1, 0, stop))
+            if not single:
+                d_o = d_o.view(n, step, size, ev).transpose(1, 2).reshape(n, size * step, ev)
+        if with_score_tangent:  # dS into the buffer, then P o dS in place: (n, k rows, keys)
+            keys = factors[1] if stop == lk else factors[1].narrow(1, 0, stop)
+            p_ds = _product(_repeated(f_rows[b], count), _repeated(keys, count), scale, buffer)
+            p_ds = p_ds.mul_(p) if single else p_ds.view(n, size, step, stop).mul_(p.unsqueeze(1)).view(n, -1, stop)
             del p
-            # (P o dS) V - rowsum(P o dS) o O, the k tangents stacked as rows against V, O shared by them
+            # (P o dS) V - rowsum(P o dS) o O, onto P dV in the product; O shared by the k tangents
             row_sums = p_ds.sum(dim=-1, keepdim=True)
-            term = torch.bmm(p_ds.view(n, size * step, stop), v3.narrow(1, 0, stop)).view(n, size, step, ev)
+            term = torch.bmm(p_ds, v_keys) if d_o is None else torch.baddbmm(d_o, p_ds, v_keys)
             del p_ds
-            term.addcmul_(row_sums, o_rows.unsqueeze(1), value=-1)
-            d_o = term if d_o is None else term.add_(d_o)
-        tangent.narrow(-2, start, step).copy_(d_o.movedim(1, 0).reshape(size, *batch, step, ev))
+            o_shared = o_rows.view(n, step, ev) if single else o_rows.view(n, 1, step, ev)
+            d_o = term if single else term.view(n, size, step, ev)
+            d_o.addcmul_(row_sums.view(d_o.shape[:-1] + (1,)), o_shared, value=-1)
+        t_block[b].copy_(d_o.view(t_block[b].shape) if single else
+                         d_o.view(n, size, step, ev).movedim(1, 0).reshape(t_block[b].shape))
     result = primal.to(dtype) if out is None else out
     return result, _unbatch(tangent, batched).to(dtype)
 
@@ -256,7 +269,21 @@ def _product(a, b, alpha, buffer):
 
 def _front(buffer, shape):
     """The front of a flat ``buffer`` as a contiguous tensor of ``shape``."""
-    return buffer.narrow(0, 0, math.prod(shape)).view(shape)
+    strides, size = [], 1
+    for extent in reversed(shape):
+        strides.append(size)
+        size *= extent
+    return buffer.as_strided(shape, strides[::-1])
+
+
+def _rows(t, dim, blocks):
+    """A view of ``t`` per block, its rows ``start:start + step`` along ``dim``: cut in one call where the blocks
+    tile the rows (a plan's do not: it runs two of them)."""
+    steps = [step for _, step in blocks]
+    if blocks[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(blocks, blocks[1:])) and \
+            blocks[-1][0] + steps[-1] == t.shape[dim]:
+        return t.split(steps, dim)
+    return [t.narrow(dim, start, step) for start, step in blocks]
 
 
 def _zeros_in_layout(like, shape, dtype):
