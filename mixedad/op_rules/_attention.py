@@ -197,10 +197,14 @@ def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_cau
     o_block = _rows(primal if out is None else o3, -2 if out is None else 1, blocks)
     t_block = _rows(tangent, -2, blocks)
     single = size == 1
+    # The keys' factors transposed once, (n, E, T); a primal factor of a batch entry is repeated for its k tangents
+    k3t = k3.mT
+    keys_t = factors[1].mT if with_score_tangent else None
+    repeats = count // n
     for b, (start, step) in enumerate(blocks):  # (narrow, not [:, a:b]: one op, not two, per slice)
         stop = min(lk, start + step) if is_causal else lk  # causal: keys 0..row only
         v_keys = v3 if stop == lk else v3.narrow(1, 0, stop)
-        s = _product(q_rows[b], k3 if stop == lk else k3.narrow(1, 0, stop), scale, buffer)
+        s = _product(q_rows[b], k3t if stop == lk else k3t.narrow(2, 0, stop), scale, buffer)
         if mask is not None:
             block, shaped = mask.narrow(-2, start, step).narrow(-1, 0, stop), s.view(*batch, step, stop)
             torch.where(block, shaped, minus_inf, out=shaped) if minus_inf is not None else shaped.add_(block)
@@ -222,8 +226,9 @@ def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_cau
             if not single:
                 d_o = d_o.view(n, step, size, ev).transpose(1, 2).reshape(n, size * step, ev)
         if with_score_tangent:  # dS into the buffer, then P o dS in place: (n, k rows, keys)
-            keys = factors[1] if stop == lk else factors[1].narrow(1, 0, stop)
-            p_ds = _product(_repeated(f_rows[b], count), _repeated(keys, count), scale, buffer)
+            keys = keys_t if stop == lk else keys_t.narrow(2, 0, stop)
+            p_ds = _product(f_rows[b] if repeats == 1 else _repeated(f_rows[b], count),
+                            keys if repeats == 1 else _repeated(keys, count), scale, buffer)
             p_ds = p_ds.mul_(p) if single else p_ds.view(n, size, step, stop).mul_(p.unsqueeze(1)).view(n, -1, stop)
             del p
             # (P o dS) V - rowsum(P o dS) o O, onto P dV in the product; O shared by the k tangents
@@ -259,12 +264,12 @@ def _repeated(t, count):
     return t.unsqueeze(1).expand(t.shape[0], count // t.shape[0], *t.shape[1:]).flatten(0, 1)
 
 
-def _product(a, b, alpha, buffer):
-    r"""``alpha * a @ b^T`` (3-d), written into the front of ``buffer`` where one is given (no allocation per block)."""
+def _product(a, b_t, alpha, buffer):
+    r"""``alpha * a @ b_t`` (3-d), written into the front of ``buffer`` where one is given (no allocation per block)."""
     if buffer is None:
-        return torch.bmm(a, b.mT).mul_(alpha)
-    out = _front(buffer, (a.shape[0], a.shape[1], b.shape[1]))
-    return torch.baddbmm(out, a, b.mT, beta=0, alpha=alpha, out=out)
+        return torch.bmm(a, b_t).mul_(alpha)
+    out = _front(buffer, (a.shape[0], a.shape[1], b_t.shape[2]))
+    return torch.baddbmm(out, a, b_t, beta=0, alpha=alpha, out=out)
 
 
 def _front(buffer, shape):
