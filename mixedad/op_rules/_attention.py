@@ -235,11 +235,12 @@ def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_cau
             row_sums = p_ds.sum(dim=-1, keepdim=True)
             term = torch.bmm(p_ds, v_keys) if d_o is None else torch.baddbmm(d_o, p_ds, v_keys)
             del p_ds
-            o_shared = o_rows.view(n, step, ev) if single else o_rows.view(n, 1, step, ev)
             d_o = term if single else term.view(n, size, step, ev)
-            d_o.addcmul_(row_sums.view(d_o.shape[:-1] + (1,)), o_shared, value=-1)
+            d_o.addcmul_(row_sums.view(d_o.shape[:-1] + (1,)), o_rows.view(n, step, ev) if single else
+                         o_rows.view(n, 1, step, ev), value=-1)
         t_block[b].copy_(d_o.view(t_block[b].shape) if single else
                          d_o.view(n, size, step, ev).movedim(1, 0).reshape(t_block[b].shape))
+        d_o = term = row_sums = o_rows = None  # not held while the next block allocates its own
     result = primal.to(dtype) if out is None else out
     return result, _unbatch(tangent, batched).to(dtype)
 
