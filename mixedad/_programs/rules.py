@@ -159,11 +159,11 @@ def _fold_into_conv(e, t):
         return None
     e.builder.drop_if_unused(t)
     if e.builder.eager and _one_layer(e, conv, conv_node):  # the primal too, from the conv's input
-        pair = e.call(T.conv_batch_norm_eval_pair, t.args[0], e.module_node(), e.builder.primal[conv_node.args[0]],
-                      t.args[1])
+        conv_module, bn_module = t.args[0], e.module_node()
+        folded = e.call(T.folded_layer, conv_module, bn_module, t.args[1])
         e.builder.drop_if_unused(e.builder.primal[conv_node])
-        e.replace_primal(e.call(operator.getitem, pair, 0))
-        return e.call(operator.getitem, pair, 1)
+        e.replace_primal(e.call(T.conv_folded, conv_module, bn_module, e.builder.primal[conv_node.args[0]], folded))
+        return e.call(T.conv_folded_tangent, conv_module, bn_module, t.args[1], folded)
     return e.call(T.conv_batch_norm_eval, t.args[0], e.module_node(), t.args[1])
 
 
@@ -252,7 +252,7 @@ def _fresh_tangent(t):
     if t.target is operator.getitem:
         pair = t.args[0]
         return (t.args[1] == 1 and isinstance(pair, fx.Node) and pair.op == "call_function"
-                and pair.target in (T.conv_batch_norm_eval_pair, T.batch_norm_module_train))
+                and pair.target is T.batch_norm_module_train)
     return t.target in T.FRESH
 
 

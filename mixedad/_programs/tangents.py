@@ -63,24 +63,32 @@ def conv_batch_norm_eval(m, bn, t):
     return conv(m, t, weight)
 
 
-def conv_batch_norm_eval_pair(m, bn, x, t):
-    r"""``(bn(m(x)), tangent)`` of an eval batch norm ``bn`` after the convolution ``m``, both as one
-    convolution (:func:`mixedad.op_rules._frozen_layers.folded_weight`):
+def folded_layer(m, bn, t):
+    r"""An eval batch norm ``bn`` and the convolution ``m`` before it as one convolution, ``(weight, bias)``, or None
+    where the scaled weight would be the larger copy, or under a compiler (which fuses the batch norm into the
+    element-wise kernel after the convolution by itself):
 
     .. math::
 
         \operatorname{bn}(\operatorname{conv}(x, W) + b) = \operatorname{conv}(x, W s, (b - \mu) s + \beta),
         \qquad \dot y = \operatorname{conv}(\dot x, W s)
 
-    One scaled weight serves primal and tangent, and the primal skips the batch norm's pass and its
-    tensor. The primal differs from ``bn(m(x))`` by round-off. For programs run eagerly (a compiler fuses the
-    batch norm into the element-wise kernel after the convolution by itself); where the scaled weight
-    would be the larger copy (:func:`conv_batch_norm_eval`), the two layers as they are."""
-    folded = None if torch.compiler.is_compiling() else folded_weight(m, bn, t, with_bias=True)
-    if folded is None:
-        return bn(m(x)), batch_norm_eval(bn, conv(m, t))
-    weight, bias = folded
-    return conv(m, x, weight, bias), conv(m, t, weight)
+    A program takes the primal (:func:`conv_folded`) and the tangent (:func:`conv_folded_tangent`) from it in
+    two calls, so that the primal's input is let go before the tangent's convolution: one scaled weight serves
+    both, and the primal skips the batch norm's pass and its tensor (and differs from ``bn(m(x))`` by
+    round-off). For programs run eagerly, see :func:`mixedad.op_rules._frozen_layers.folded_weight`."""
+    return None if torch.compiler.is_compiling() else folded_weight(m, bn, t, with_bias=True)
+
+
+def conv_folded(m, bn, x, folded):
+    """The primal ``bn(m(x))``: one convolution with the ``folded`` layer, or the two layers as they are."""
+    return bn(m(x)) if folded is None else conv(m, x, *folded)
+
+
+def conv_folded_tangent(m, bn, t, folded):
+    """The tangent of ``bn(m(x))`` along ``t``: one convolution with the ``folded`` weight, or the convolution then
+    the scale."""
+    return batch_norm_eval(bn, conv(m, t)) if folded is None else conv(m, t, folded[0])
 
 
 def batch_norm_eval(m, t):
@@ -353,5 +361,5 @@ IN_PLACE = {relu: (relu_in_place, relu_tangent_in_place), tanh: (tanh_in_place, 
             sigmoid: (sigmoid_in_place, sigmoid_tangent_in_place),
             leaky_relu: (leaky_relu_in_place, leaky_relu_tangent_in_place)}
 #: Tangent functions whose result is a tensor of their own, never a view of their input or the input itself.
-FRESH = frozenset({conv, conv_batch_norm_eval, batch_norm_eval, linear, relu, leaky_relu, tanh, sigmoid, gelu, silu,
+FRESH = frozenset({conv, conv_batch_norm_eval, conv_folded_tangent, batch_norm_eval, linear, relu, leaky_relu, tanh, sigmoid, gelu, silu,
                    elu, softplus, hardtanh, *(pair[1] for pair in IN_PLACE.values())})

@@ -65,7 +65,8 @@ def test_an_eval_batch_norm_runs_in_the_convolution_before_it_for_primal_and_tan
     z, y, v = _inputs(G, (8, 3, 5, 5) if two_d else (8, 3, 5))
     entry = _program_calls(G, z, y, v)
     targets = _targets(entry)
-    assert targets.count("conv_batch_norm_eval_pair") == 2 and "conv_batch_norm_eval" not in targets
+    assert targets.count("folded_layer") == targets.count("conv_folded") == targets.count("conv_folded_tangent") == 2
+    assert "conv_batch_norm_eval" not in targets
     with torch.no_grad():
         (primal,), _ = entry.run(z, v)
         plain = G(z)
@@ -73,19 +74,21 @@ def test_an_eval_batch_norm_runs_in_the_convolution_before_it_for_primal_and_tan
 
 
 def test_a_weight_larger_than_the_tangent_keeps_the_two_layers_as_they_are():
-    """A small batch, where the scaled weight would be the larger copy: the pair is the module calls as they are (the
+    """A small batch, where the scaled weight would be the larger copy: the two layers run as they are (the
     primal bit for bit) and the tangent is scaled after its convolution; a larger batch folds."""
     torch.manual_seed(0)
     conv, bn = nn.Conv2d(4, 4, 3).to(D), nn.BatchNorm2d(4).to(D).eval()
     with torch.no_grad():
         bn.running_var.uniform_(0.5, 2)
-    for batch, folded in [(1, False), (2, True)]:  # weight 144 numbers, PAIR_FOLD_RATIO 2: a tangent of 288 or more
+    for batch, expected_fold in [(1, False), (2, True)]:  # weight 144 numbers, PAIR_FOLD_RATIO 2: a tangent of 288 or more
         x, t = torch.randn(batch, 4, 6, 6, dtype=D), torch.randn(batch, 4, 6, 6, dtype=D)
         with torch.no_grad():
-            primal, tangent = T.conv_batch_norm_eval_pair(conv, bn, x, t)
+            folded = T.folded_layer(conv, bn, t)
+            primal, tangent = T.conv_folded(conv, bn, x, folded), T.conv_folded_tangent(conv, bn, t, folded)
             plain = bn(conv(x))
             expected = torch.func.jvp(lambda x_: bn(conv(x_)), (x,), (t,))[1]
-        assert torch.equal(primal, plain) != folded
+        assert (folded is not None) == expected_fold
+        assert torch.equal(primal, plain) != expected_fold
         assert (primal - plain).abs().max() <= 1e-13 * plain.abs().max()
         assert (tangent - expected).abs().max() <= 1e-13 * expected.abs().max()
 
@@ -129,4 +132,25 @@ def test_train_mode_batch_norm_output_is_overwritten_by_the_activation_and_runni
     entry = _program_calls(G, z, y, v)  # buffers against plain forwards, bit for bit
     targets = _targets(entry)
     assert "relu_in_place" in targets and "relu_tangent_in_place" in targets
-    assert "conv_batch_norm_eval_pair" not in targets
+    assert "folded_layer" not in targets
+
+
+def test_the_savings_lower_the_programs_peak_at_the_benchmarks_size_and_keep_it_flat_in_depth():
+    """Exact bytes, the speed benchmark's eval DCGAN (width 32, batch 32, float32): the program's peak lies below the
+    per-op pass's, and is the same at 0 and 4 extra blocks a scale. A scaled weight held beside the primal's input
+    and both outputs of a layer (a primal and tangent computed in one call) put it above the per-op pass's."""
+    from mixedad.benchmark import build, objective
+    from mixedad.profiling import peak_memory
+
+    peaks = []
+    for depth in (0, 4):
+        G, z, y, v = build("dcgan", depth, 32, 32, torch.float32, "cpu")
+        G.eval().requires_grad_(False)
+        with mixedad.per_op_pass():
+            _, per_op = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
+        for _ in range(2):
+            mixedad.mixed_grad(objective, G, z, y, v)
+        _, program = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
+        assert program < per_op, (depth, program, per_op)
+        peaks.append(program)
+    assert peaks[0] == peaks[1], peaks
