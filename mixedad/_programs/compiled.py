@@ -48,12 +48,17 @@ __all__ = ["CompiledTangent", "compiled_tangents", "per_op_pass", "push_compiled
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-2}
 _REDUCED = 1e-1
 #: The same for the default's programs, which run the per-op pass's kernels without a compiler: only the
-#: order of a few operations differs (the batch-norm scale in the weight), so the bound is round-off.
+#: order of a few operations differs (the batch-norm scale in the weight), so the bound is round-off. In
+#: bfloat16 and float16 round-off is large: on the zoo's DCGAN the per-op pass itself lies 7% to 8% (bfloat16)
+#: and 3% (float16) from float64, and a program 3% to 4% from the per-op pass.
 EAGER_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
-_EAGER_REDUCED = 3e-2
+_EAGER_REDUCED = 1e-1
 #: Outputs and tangents whose root mean square lies below this many epsilons of the inputs' are
-#: round-off (zero in exact arithmetic), compared by that bound and not relative to themselves.
+#: round-off (zero in exact arithmetic), compared by that bound and not relative to themselves;
+#: never above :data:`ROUND_OFF_CAP` of the inputs' (a thousand epsilons of bfloat16 are 8 times the
+#: inputs' size, under which a dropped tangent would pass for round-off).
 ROUND_OFF = 1000
+ROUND_OFF_CAP = 1e-2
 
 
 @dataclasses.dataclass
@@ -204,7 +209,8 @@ def _differs(compiled, eager, inputs):
     """The largest relative difference (2-norm) over matching leaves, or inf where they do not match.
 
     A tangent that is None (an output that is no floating-point tensor) matches None or zeros.
-    Leaves whose root mean square both lie below the round-off of the ``inputs``' (:data:`ROUND_OFF`
+    Leaves whose root mean square both lie below the round-off of the ``inputs``' (:data:`ROUND_OFF` (at most
+    :data:`ROUND_OFF_CAP`)
     epsilons times the inputs' root mean square: a tangent that is zero in exact arithmetic, as the
     tangent of ones through a batch norm over the batch) match.
     """
@@ -228,7 +234,7 @@ def _differs(compiled, eager, inputs):
             continue
         if not b.numel():
             continue
-        if max(_rms(a), _rms(b)) <= ROUND_OFF * torch.finfo(b.dtype).eps * floor:
+        if max(_rms(a), _rms(b)) <= min(ROUND_OFF * torch.finfo(b.dtype).eps, ROUND_OFF_CAP) * floor:
             continue  # both are round-off
         a64, b64 = a.detach().double(), b.detach().double()
         relative = ((a64 - b64).norm() / b64.norm().clamp_min(torch.finfo(torch.float64).tiny)).item()

@@ -154,3 +154,32 @@ def test_the_savings_lower_the_programs_peak_at_the_benchmarks_size_and_keep_it_
         assert program < per_op, (depth, program, per_op)
         peaks.append(program)
     assert peaks[0] == peaks[1], peaks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_check_sees_a_dropped_or_scaled_tangent_in_every_dtype(dtype):
+    """A thousand epsilons of bfloat16 are 8 times a tensor's size: the check's round-off floor is capped, so that
+    a dropped tangent (difference 1) or a wrong scale is never taken for round-off."""
+    gen = torch.Generator().manual_seed(0)
+    eager, inputs = torch.randn(100, generator=gen).to(dtype), torch.randn(10, generator=gen).to(dtype)
+    assert compiled._differs([torch.zeros_like(eager)], [eager], [inputs]) == 1.0
+    assert compiled._differs([eager * 1.5], [eager], [inputs]) == pytest.approx(0.5, abs=1e-2)
+    assert compiled._differs([eager], [eager], [inputs]) == 0.0
+    tiny = eager * 1e-6  # zero in exact arithmetic, computed: round-off either way
+    assert compiled._differs([tiny], [-tiny], [inputs]) == 0.0
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_reduced_precision_chain_takes_its_program_within_the_round_off_of_its_dtype(dtype):
+    G = mixedad.zoo.dcgan(8, 8).eval().requires_grad_(False)
+    reference_G = copy.deepcopy(G).to(D)
+    G = G.to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    z, y, v = (torch.randn(shape, generator=gen) for shape in [(16, 8), (16, 3, 32, 32), (16, 8)])
+    reference = double_backward_mixed_grad(f, reference_G, z.to(D), y.to(D), v.to(D))
+    for call in range(3):
+        ours = mixedad.mixed_grad(f, G, z.to(dtype), y.to(dtype), v.to(dtype))
+        assert ((ours.to(D) - reference).norm() / reference.norm()).item() < 0.15, call
+    [entry] = compiled._EAGER[G].values()
+    assert entry.status == "compiled" and 0 < entry.difference < compiled._EAGER_REDUCED, entry
