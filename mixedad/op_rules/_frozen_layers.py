@@ -220,6 +220,11 @@ def _fold(op):
     return None if weight is None else (weight, bn)
 
 
+def _channels_last(t):
+    """Whether a 4-d tensor lies channels-last in memory (and not also contiguous: one pixel, one channel)."""
+    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
 def folded_weight(conv, bn, x_tangent, *, with_bias=False):
     r"""``conv``'s weight times eval ``bn``'s scale per output channel (``conv`` an exact ``nn.Conv*`` or
     ``nn.ConvTranspose*`` of one group), or None: where the two do not match (channels, dtype), or where
@@ -241,9 +246,12 @@ def folded_weight(conv, bn, x_tangent, *, with_bias=False):
         return None
     shape = [1] * conv.weight.dim()
     shape[dim] = -1
-    weight = conv.weight * scale.reshape(shape)
     if not with_bias:
-        return weight
+        return conv.weight * scale.reshape(shape)
+    weight = conv.weight * scale.reshape(shape) if torch.is_grad_enabled() else torch.mul(
+        # in the layout the convolution reads it in: channels-last for channels-last activations (no reorder there)
+        conv.weight, scale.reshape(shape), out=torch.empty_like(
+            conv.weight, memory_format=torch.channels_last if _channels_last(x_tangent) else torch.contiguous_format))
     if bn.running_mean.dtype != scale.dtype or (conv.bias is not None and conv.bias.dtype != scale.dtype):
         return None
     bias = (bn.running_mean if conv.bias is None else bn.running_mean - conv.bias) * -scale

@@ -183,3 +183,19 @@ def test_a_reduced_precision_chain_takes_its_program_within_the_round_off_of_its
         assert ((ours.to(D) - reference).norm() / reference.norm()).item() < 0.15, call
     [entry] = compiled._EAGER[G].values()
     assert entry.status == "compiled" and 0 < entry.difference < compiled._EAGER_REDUCED, entry
+
+
+def test_the_folded_weight_lies_in_the_layout_of_the_activations():
+    """Channels-last activations: the scaled weight is written channels-last, so the convolution reorders nothing
+    (where no graph is recorded, as in programs; with one, the product as it comes, which autograd can follow)."""
+    from mixedad.op_rules._frozen_layers import folded_weight
+
+    conv, bn = nn.Conv2d(8, 8, 3).eval(), nn.BatchNorm2d(8).eval()
+    t = torch.randn(4, 8, 6, 6)
+    with torch.no_grad():  # as programs run
+        plain, _ = folded_weight(conv, bn, t, with_bias=True)
+        last, _ = folded_weight(conv, bn, t.contiguous(memory_format=torch.channels_last), with_bias=True)
+    assert plain.is_contiguous() and last.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(plain, last)
+    graphed, _ = folded_weight(conv, bn, t.contiguous(memory_format=torch.channels_last), with_bias=True)
+    assert graphed.requires_grad and torch.equal(graphed, plain)
