@@ -55,8 +55,10 @@ def _generate(app):
     generated = HERE / "_generated"
     generated.mkdir(exist_ok=True)
     (generated / "op_paths_table.md").write_text(_op_paths_table())
-    # The tangent-speed table, as benchmarks/tangent_speed.py last wrote it.
-    shutil.copyfile(HERE.parent / "benchmarks" / "results" / "tangent_speed_cpu.md", generated / "tangent_speed_cpu.md")
+    # The benchmarks' tables, as their scripts last wrote them (tangent_speed.py, attention_vs_length.py,
+    # many_tangents.py): never copied by hand, so never stale.
+    for table in ("tangent_speed_cpu.md", "attention_cpu.md", "many_tangents_cpu.md"):
+        shutil.copyfile(HERE.parent / "benchmarks" / "results" / table, generated / table)
     notebooks = HERE / "notebooks"
     notebooks.mkdir(exist_ok=True)
     for notebook in sorted((HERE.parent / "notebooks").glob("*.ipynb")):
