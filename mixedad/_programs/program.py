@@ -41,10 +41,12 @@ def _has_tangent(node):
 class _Builder:
     """Writes a program node by node. ``eager``: the program runs without a compiler (a chain's), so its rules may
     save passes and tensors a compiler would save by itself (a batch norm folded into the convolution before it,
-    activations in place)."""
+    activations in place). ``exact_primal``: no rule may change G's primal by round-off (a layer updates buffers
+    from it in training mode: running statistics stay a plain forward's, bit for bit)."""
 
     def __init__(self, traced, eager=False):
         self.traced, self.eager = traced, eager
+        self.exact_primal = any(m.training and m._buffers for m in traced.modules())
         self.graph = fx.Graph()
         self.primal, self.tangent = {}, {}
         self._tuples = set()

@@ -168,10 +168,12 @@ def _fold_into_conv(e, t):
 
 
 def _one_layer(e, conv, conv_node):
-    """Whether an eval batch norm and the convolution before it may run as one convolution in the program: the
-    convolution's output feeds the batch norm alone, both are called on one input, neither replaces its forward."""
-    return (len(conv_node.users) == 1 and len(conv_node.args) == 1 and not conv_node.kwargs and len(e.node.args) == 1
-            and not e.node.kwargs and "forward" not in vars(conv) and "forward" not in vars(e.module))
+    """Whether an eval batch norm and the convolution before it may run as one convolution in the program: no layer
+    updates buffers from the primal (which the fold changes by round-off), the convolution's output feeds the batch
+    norm alone, both are called on one input, neither replaces its forward."""
+    return (not e.builder.exact_primal and len(conv_node.users) == 1 and len(conv_node.args) == 1
+            and not conv_node.kwargs and len(e.node.args) == 1 and not e.node.kwargs and "forward" not in vars(conv)
+            and "forward" not in vars(e.module))
 
 
 def _instance_norm_module(e):
