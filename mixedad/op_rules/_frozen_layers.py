@@ -136,13 +136,17 @@ def batch_norm_rule(op):
     x = bound["input"]
     eps = bound.get("eps", 1e-5)
     if bound.get("training", False):
-        if (x.dim() < 2 or x.dtype not in (torch.float32, torch.float64) or x_tangent.dtype != x.dtype
-                or x.numel() <= x.shape[1] or cpu_autocast_on()):
-            # Reduced precision or autocast (PyTorch's formula computes as the kernel does), or one value per
-            # channel or none: F.batch_norm's own checks and paths (it raises for one value per channel).
+        kernels = batch_norm_kernels(x) and not op.lowered and x_tangent.shape == x.shape
+        reduced = x.dtype in (torch.float16, torch.bfloat16)
+        if (x.dim() < 2 or (x.dtype not in (torch.float32, torch.float64) and not (reduced and kernels))
+                or x_tangent.dtype != x.dtype or x.numel() <= x.shape[1] or cpu_autocast_on()):
+            # Autocast (PyTorch's formula computes as the kernel does), or one value per channel or none:
+            # F.batch_norm's own checks and paths (it raises for one value per channel).
             return NotImplemented
-        if batch_norm_kernels(x) and not op.lowered and x_tangent.shape == x.shape:
-            # The user's call is this kernel here (bit for bit), and it hands out the statistics it used.
+        if kernels:
+            # The user's call is this kernel here (bit for bit), and it hands out the statistics it used. In
+            # float16 and bfloat16 too: its backward kernel is double backward's own, where PyTorch's forward-AD
+            # formula overflows to NaN (float16, inputs of size 0.01: a review found it).
             out, mean, invstd = batch_norm_with_statistics(x, bound.get("weight"), bound.get("bias"),
                                                            bound.get("running_mean"), bound.get("running_var"),
                                                            bound.get("momentum", 0.1), eps)

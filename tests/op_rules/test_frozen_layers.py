@@ -217,6 +217,7 @@ def test_linear_without_input_features_takes_the_blas():
     G = nn.Sequential(nn.Linear(4, 0), nn.Linear(0, 3))
     z, y = torch.randn(2, 4), torch.randn(2, 3)
     f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
+    import mixedad
     from mixedad.reference import double_backward_mixed_grad
 
     assert_close(mixedad.mixed_grad(f, G, z, y), double_backward_mixed_grad(f, G, z, y, torch.ones_like(z)))
@@ -421,6 +422,7 @@ def test_eval_batchnorm_folds_into_the_convolution_before_it_only_where_nothing_
     exact against double backward."""
     import mixedad
     from mixedad.op_rules import _frozen_layers
+    import mixedad
     from mixedad.reference import double_backward_mixed_grad
 
     folds = []
@@ -447,6 +449,7 @@ def test_a_folded_tangent_in_another_layout_than_the_primal_still_reaches_its_ba
     BatchNorm finds the folded tangent itself and does not scale it twice."""
     import mixedad
     from mixedad.op_rules import _frozen_layers
+    import mixedad
     from mixedad.reference import double_backward_mixed_grad
 
     real_fold, real_into, folds = _frozen_layers._fold, _frozen_layers._folded_into, []
@@ -489,6 +492,7 @@ def test_a_folded_tangent_that_does_not_reach_its_batchnorm_is_refused_not_scale
 @pytest.mark.parametrize("case", ["one value per channel", "eval without running statistics", "empty batch"])
 def test_batch_norm_raises_and_runs_where_f_batch_norm_does(case):
     """Found by a review: the rule must not skip F.batch_norm's own checks, nor fail where it runs."""
+    import mixedad
     import mixedad
     from mixedad.reference import double_backward_mixed_grad
 
@@ -533,3 +537,23 @@ def test_the_fold_leaves_the_peak_exactly_as_without_it(depth, width, batch, mon
     assert with_fold == without
     if (depth, width, batch) == (4, 32, 32):
         assert any(folds)  # the benchmark's DCGAN does fold
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("size", [1.0, 0.01, 0.003])
+def test_train_mode_batch_norm_in_reduced_precision_takes_the_kernels_and_never_overflows(dtype, size):
+    """float16 inputs of size 0.01: PyTorch's forward-AD formula for batch norm overflows to NaN where double
+    backward's kernel stays finite (a review found it); the rule takes the kernels in float16 and bfloat16 too."""
+    import copy
+
+    import mixedad
+    from mixedad.reference import double_backward_mixed_grad
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.BatchNorm1d(32)).to(dtype).requires_grad_(False)
+    z, y, v = (torch.randn(16, 32) * size).to(dtype), torch.randn(16, 32).to(dtype), torch.randn(16, 32).to(dtype)
+    f = lambda y, g: (y * g).sum()  # noqa: E731
+    with mixedad.per_op_pass():
+        ours = mixedad.mixed_grad(f, copy.deepcopy(G), z, y, v)
+    reference = double_backward_mixed_grad(f, copy.deepcopy(G).double(), z.double(), y.double(), v.double())
+    assert torch.isfinite(ours).all()
+    assert ((ours.double() - reference).norm() / reference.norm()).item() < (1e-2 if dtype == torch.float16 else 5e-2)
