@@ -106,13 +106,18 @@ def batch_norm_train(m, x, t):
     return _batch_statistics_tangent(x, t, m.weight, m.eps)
 
 
+#: The dtypes whose train-mode batch norm takes the kernels, as mixedad's per-op rule does (float16 and bfloat16 too:
+#: PyTorch's forward-AD formula overflows there).
+_KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 def batch_norm_module_train(m, x, t):
     """``(m(x), tangent)`` of an exact ``nn.BatchNorm*`` over the batch's statistics: where ``m(x)`` is PyTorch's
     batch-norm kernel, that kernel called as ``nn.BatchNorm*.forward`` calls it (so the output and the running
     statistics are the module's own, bit for bit), and the tangent from the statistics it hands out
     (:func:`mixedad._hooks.batch_norm.batch_norm_tangent`, as mixedad's per-op rule); elsewhere ``m(x)`` and
     :func:`batch_norm_train`."""
-    if not (batch_norm_kernels(x) and x.dtype in (torch.float32, torch.float64) and t.dtype == x.dtype
+    if not (batch_norm_kernels(x) and x.dtype in _KERNEL_DTYPES and t.dtype == x.dtype
             and t.shape == x.shape and x.dim() >= 2 and x.numel() > x.shape[1]):
         return m(x), batch_norm_train(m, x, t)
     m._check_input_dim(x)
