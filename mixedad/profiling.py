@@ -346,7 +346,8 @@ def plan(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Any, y: Any, 
         A :class:`Plan`; ``print(plan)`` shows the table and the cards each method fits on.
 
     Raises:
-        PlanError: an op of G that cannot run on meta tensors (named), or G closing over real tensors.
+        PlanError: an op of G that cannot run on meta tensors (named), or G closing over real tensors
+            (attention masks excepted: one stands as its shape on ``device``).
         ValueError: an unknown method or device.
 
     Example:

@@ -151,6 +151,62 @@ def test_attention_plans_equal_the_cpu_peak_for_every_method(name):
             assert abs(planned - measured) <= 0.02 * measured, (method, planned, measured)
 
 
+class _Grouped(nn.Module):
+    """Grouped-query attention: 4 query heads over ``kv`` key heads and ``values`` value heads (enable_gqa)."""
+
+    def __init__(self, kv, values):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(32, 32), nn.Linear(32, 8 * kv), nn.Linear(32, 8 * values)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (lin(x).view(b, t, -1, 8).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return o.transpose(1, 2).reshape(b, t, 32)
+
+
+class _HeldMask(_Attention):
+    """A mask G holds as a plain attribute (no buffer): a real tensor it closes over, which a plan cannot make meta."""
+
+    def __init__(self, mask):
+        super().__init__()
+        del self.mask
+        self.mask = mask
+
+
+def _large_rows():
+    mask = torch.randn(T, T, generator=torch.Generator().manual_seed(2))
+    mask[5] = torch.finfo(torch.float32).min  # a row masked by large finite numbers only (HF's padding)
+    return mask
+
+
+HELD_OR_GROUPED = {
+    "grouped heads": lambda: _Grouped(2, 2),  # the CPU's flash kernel takes them
+    "grouped heads, value heads differ": lambda: _Grouped(2, 1),  # the math backend, heads repeated
+    "held bool mask": lambda: _HeldMask(torch.rand(T, T, generator=torch.Generator().manual_seed(2)) > 0.5),
+    "held additive mask": lambda: _HeldMask(torch.randn(T, T, generator=torch.Generator().manual_seed(2))),
+    "held mask, large-number rows": lambda: _HeldMask(_large_rows()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HELD_OR_GROUPED))
+def test_plans_of_grouped_heads_and_masks_g_holds_equal_the_cpu_peak(name):
+    """Found by a review: grouped heads were planned on the math backend, 5x to 8x the real peak (forward and
+    input_grad), and a mask G closes over (no buffer, so not made meta) failed double backward's plan. The plan
+    reads a held mask's values where they choose input_grad's kernel, and leaves the mask as it was."""
+    G = HELD_OR_GROUPED[name]().requires_grad_(False)
+    mask = getattr(G, "mask", None)
+    before = None if mask is None else mask.clone()
+    z = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(0))
+    y = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(1))
+    predicted = plan(f, G, z, y, device="cpu", methods=tuple(PLAN_METHODS))
+    for method, planned in predicted.peaks.items():
+        _, measured = peak_memory(PLAN_METHODS[method], f, G, (z,), y)
+        assert abs(planned - measured) <= 0.02 * measured, (method, planned, measured)
+    if mask is not None:
+        assert G.mask is mask and mask.device.type == "cpu" and torch.equal(mask, before)
+
+
 class _Cached(nn.Module):
     """Builds a cache attribute on first use (as rotary embeddings do)."""
 

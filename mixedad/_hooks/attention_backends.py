@@ -120,7 +120,7 @@ def output_tokens_first(query, key, value, attn_mask, is_causal, scale, enable_g
     if query.dim() != 4:
         return False
     if query.is_meta:  # a memory plan for the CPU
-        return fused_kernel_would_run(query, key, value, attn_mask, "cpu") and not enable_gqa
+        return fused_kernel_would_run(query, key, value, attn_mask, "cpu", enable_gqa)
     choice = getattr(torch, "_fused_sdp_choice", None)
     try:
         from torch.nn.attention import SDPBackend
@@ -135,20 +135,34 @@ def output_tokens_first(query, key, value, attn_mask, is_causal, scale, enable_g
     return picked == int(SDPBackend.FLASH_ATTENTION.value)
 
 
-def fused_kernel_would_run(query, key, value, attn_mask, device):
+def meta_stand_in(mask):
+    """A mask G holds on another device (a tensor it closes over), for a memory plan on meta tensors: a meta tensor
+    of its shape and dtype, that stands for the mask on the planned device. It holds one element (a stride-0
+    view): the real mask exists before the call and is no allocation of it; what an op makes from it (a bool mask
+    converted to an additive one) is allocated as on the device."""
+    return torch.empty((), dtype=mask.dtype, device="meta").expand(mask.shape)
+
+
+def fused_kernel_would_run(query, key, value, attn_mask, device, enable_gqa=False):
     """Whether SDPA on ``device`` ("cpu" or "cuda") would take a fused kernel for tensors of these sizes.
 
     For memory plans on meta tensors, where PyTorch's own choice cannot run. The conditions are
     those of the CPU's flash kernel (and a subset of CUDA's flash and memory-efficient ones): 4-d
     query, key and value with one batch and head count, one head dimension, unit stride in the
     last dimension, non-empty sequences, a mask of 2 or 4 dimensions or none, and a dtype the
-    kernel takes (CUDA: no float64). Elsewhere the plan takes the math backend: high where the
-    device would still fuse, never low.
+    kernel takes (CUDA: no float64). Grouped heads (``enable_gqa``): the CPU's flash kernel takes
+    them where key and value have one head count that divides the query's (measured on torch 2.13;
+    elsewhere it repeats them on the math backend); CUDA's are planned on the math backend.
+    Elsewhere the plan takes the math backend: high where the device would still fuse, never low.
     """
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
         return False
-    if not (query.shape[:2] == key.shape[:2] == value.shape[:2]):
+    if not (query.shape[0] == key.shape[0] == value.shape[0]):
+        return False
+    heads = (query.shape[1], key.shape[1], value.shape[1])
+    if not heads[0] == heads[1] == heads[2] and not (
+            enable_gqa and device == "cpu" and heads[1] == heads[2] and heads[1] and heads[0] % heads[1] == 0):
         return False
     if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or any(t.stride(-1) != 1 for t in tensors):
         return False

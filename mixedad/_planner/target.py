@@ -18,7 +18,10 @@ device's layout (the CPU's flash kernel: the query's; CUDA: tokens before heads)
 is converted to an additive one for the call. An additive mask under a graph is planned on the
 math backend, which ``input_grad``'s forward takes where a row is masked only by large finite
 numbers (HF's ``finfo.min`` padding): meta has no values to tell, so such a plan is high by the
-scores where the CPU or GPU would take the fused kernel, never low. What is not emulated, and so planned as the composite path: the
+scores where the CPU or GPU would take the fused kernel, never low. A mask G closes over (a plain
+attribute, which ``functional_call`` does not make meta) has values: it stands as a meta tensor of
+its shape, and that choice is exact. Grouped query heads take the fused kernel where
+:func:`~mixedad._hooks.attention_backends.fused_kernel_would_run` says the device does. What is not emulated, and so planned as the composite path: the
 ``nn.TransformerEncoderLayer`` / ``nn.MultiheadAttention`` fast path and device-specific output
 layouts (GroupNorm on channels_last). Fused RNNs (``nn.LSTM`` / ``GRU`` / ``RNN``) are refused:
 their memory is that of the device's kernel (cuDNN's reserve space, oneDNN's workspace), which a
@@ -29,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mixedad._hooks.attention_backends import fused_attention_enabled, fused_kernel_would_run, planning_for
+from mixedad._hooks.attention_backends import (fused_attention_enabled, fused_kernel_would_run, meta_stand_in,
+                                                planning_for)
 from mixedad._hooks.composites import COMPOSITES, run_inside
 from mixedad._planner.meta import PlanError
 from mixedad.op_rules._rnn import FUSED_RNNS
@@ -61,16 +65,23 @@ class TargetDevice(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             bound = dict(zip(_SDPA_ARGS, args), **kwargs)
             q, k, v, mask = bound["query"], bound["key"], bound["value"], bound.get("attn_mask")
+            # A mask G closes over is real: it stands as its shape on the device, and its values were read where
+            # they choose the kernel (input_grad's forward: math where a row is masked by large numbers only).
+            read = isinstance(q, torch.Tensor) and q.is_meta and isinstance(mask, torch.Tensor) and not mask.is_meta
+            if read:
+                mask = bound["attn_mask"] = meta_stand_in(mask)
+                args, kwargs = (), bound
             if (isinstance(q, torch.Tensor) and q.is_meta and bound.get("dropout_p", 0.0) == 0.0
-                    and fused_attention_enabled() and fused_kernel_would_run(q, k, v, mask, self.device)):
+                    and fused_attention_enabled()
+                    and fused_kernel_would_run(q, k, v, mask, self.device, bool(bound.get("enable_gqa", False)))):
                 inputs = (q, k, v) if mask is None else (q, k, v, mask)
                 if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                         for t in inputs)):
                     return _fused_outputs(q, v, mask, self.device)[0]  # the converted mask and lse freed at once
-                if mask is None or (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool):
+                if mask is None or read or (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool):
                     return _FusedAttention.apply(q, k, v, mask, self.device)  # input_grad's forward: a graph
-                # An additive mask under a graph: input_grad's forward takes the math backend where some row is
-                # masked only by large finite numbers, which meta cannot tell; planned so (high, never low).
+                # An additive mask on meta under a graph: input_grad's forward takes the math backend where some row
+                # is masked only by large finite numbers, which meta cannot tell; planned so (high, never low).
         return func(*args, **kwargs)
 
 

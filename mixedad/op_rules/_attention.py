@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mixedad._hooks.attention_backends import blockwise_primal_here, math_backend, output_tokens_first
+from mixedad._hooks.attention_backends import blockwise_primal_here, math_backend, meta_stand_in, output_tokens_first
 from mixedad._hooks.composites import COMPOSITES, run_inside
 from mixedad.op_rules._errors import UnderTransformError
 from mixedad.op_rules._table import Path, defrule
@@ -132,8 +132,8 @@ def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_cau
     """
     lq, lk, e, ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
-    if q.is_meta and attn_mask is not None:  # a plan: a mask G holds on another device stands for its own shape
-        attn_mask = attn_mask.to("meta")
+    if q.is_meta and attn_mask is not None and not attn_mask.is_meta:  # a plan: a mask G holds on another device
+        attn_mask = meta_stand_in(attn_mask)
     if enable_gqa and q.dim() >= 3:  # each of key and value repeated up to the query's heads
         k, dk = (_repeat_heads(t, q.shape[-3] // k.shape[-3]) for t in (k, dk))
         v, dv = (_repeat_heads(t, q.shape[-3] // v.shape[-3]) for t in (v, dv))
