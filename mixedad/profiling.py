@@ -347,7 +347,8 @@ def plan(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Any, y: Any, 
 
     Raises:
         PlanError: an op of G that cannot run on meta tensors (named), or G closing over real tensors
-            (attention masks excepted: one stands as its shape on ``device``).
+            (but for the masks it passes to ``F.scaled_dot_product_attention``: one stands as its shape on
+            ``device``).
         ValueError: an unknown method or device.
 
     Example:

@@ -21,6 +21,7 @@ What this relies on in torch (pinned by ``tests/_hooks/test_attention_backends.p
 """
 import contextlib
 import threading
+import weakref
 
 import torch
 
@@ -136,11 +137,20 @@ def output_tokens_first(query, key, value, attn_mask, is_causal, scale, enable_g
 
 
 def meta_stand_in(mask):
-    """A mask G holds on another device (a tensor it closes over), for a memory plan on meta tensors: a meta tensor
-    of its shape and dtype, that stands for the mask on the planned device. It holds one element (a stride-0
-    view): the real mask exists before the call and is no allocation of it; what an op makes from it (a bool mask
-    converted to an additive one) is allocated as on the device."""
-    return torch.empty((), dtype=mask.dtype, device="meta").expand(mask.shape)
+    """A real mask, for a memory plan on meta tensors: a meta tensor of its shape and dtype that stands for it on the
+    planned device (a mask G closes over, or one G makes from such a tensor as it runs).
+
+    It holds one element (a stride-0 view) and keeps the real mask alive for as long as it lives itself: a mask that
+    existed before the call is no allocation of it (and is counted nowhere), and one G made in the call is counted
+    where it was made and lives as long as whatever keeps the stand-in (a graph that saves it) keeps it. What an op
+    makes from it (a bool mask converted to an additive one) is allocated as on the device."""
+    stand_in = torch.empty((), dtype=mask.dtype, device="meta")
+    weakref.finalize(stand_in.untyped_storage(), _let_go, mask)
+    return stand_in.expand(mask.shape)
+
+
+def _let_go(mask):
+    """Nothing: a finalizer that holds ``mask`` until the stand-in's storage goes."""
 
 
 def fused_kernel_would_run(query, key, value, attn_mask, device, enable_gqa=False):
