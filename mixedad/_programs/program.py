@@ -13,8 +13,8 @@ from mixedad._hooks.pytree import tree_flatten
 
 from mixedad._hooks.meta_trace import DTYPE
 from mixedad._programs import tangents as T
-from mixedad._programs.rules import (FRESH_MODULES, FUNCTIONS, METHODS, MODULES, NOT_TENSORS, Emit, Missing, carries, describe, draws,
-                                     writes_in_place)
+from mixedad._programs.rules import (FRESH_MODULES, FUNCTIONS, METHODS, NOT_TENSORS, Emit, Missing, carries, describe, draws,
+                                     module_rule, no_rule, writes_in_place)
 from mixedad._programs.trace import Unsupported, chain, trace
 
 __all__ = ["Program", "write"]
@@ -105,7 +105,7 @@ class _Builder:
         if node.op == "call_method" and node.target in NOT_TENSORS:
             return
         if node.op == "call_module":
-            rule = MODULES.get(type(module))
+            rule = module_rule(module)
         elif node.op == "call_method":
             rule = METHODS.get(node.target)
             if node.target.endswith("_"):
@@ -115,8 +115,9 @@ class _Builder:
         else:
             rule = None
         if rule is None:
-            kind = f"a {type(module).__name__} module" if module is not None else describe(node)
-            self.tangent[node] = Missing(f"{kind} ({node.name}) has no tangent rule in mixedad's tangent programs")
+            self.tangent[node] = Missing(
+                f"module {node.target} is {no_rule(module)}" if node.op == "call_module" else
+                f"{describe(node)} ({node.name}) has no tangent rule in mixedad's tangent programs")
             return
         args = map_arg(node.args, lambda n: self.primal[n])
         kwargs = map_arg(node.kwargs, lambda n: self.primal[n])

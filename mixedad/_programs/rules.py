@@ -17,7 +17,8 @@ from mixedad._hooks.meta_trace import NDIM
 from mixedad._programs import tangents as T
 from mixedad._programs.trace import Unsupported
 
-__all__ = ["MODULES", "FUNCTIONS", "METHODS", "NOT_TENSORS", "Emit", "Missing", "carries", "draws", "writes_in_place"]
+__all__ = ["MODULES", "FUNCTIONS", "METHODS", "NOT_TENSORS", "Emit", "Missing", "carries", "draws", "module_rule",
+           "no_rule", "writes_in_place"]
 
 
 class Emit:
@@ -296,6 +297,39 @@ for _type in (nn.Flatten, nn.Unflatten, nn.Upsample, nn.UpsamplingNearest2d, nn.
               nn.ConstantPad3d, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout):
     MODULES[_type] = _linear_module_without_weights
 
+
+#: Each layer class of MODULES and its bases up to nn.Module, with their attributes as mixedad found them (held:
+#: an identity compared is never reused).
+_AS_FOUND = {cls: tuple((c, tuple(vars(c).items())) for c in cls.__mro__ if c not in nn.Module.__mro__)
+             for cls in MODULES}
+
+
+def module_rule(module):
+    """The program rule of ``module``'s layer class, or None: where its class is in MODULES and is as mixedad found it.
+
+    A rule holds for a layer's own code. A class whose method or attribute was replaced since mixedad was imported
+    (``nn.Hardtanh.forward = ...``) has none: its program is refused, and the call takes the per-op pass."""
+    cls = type(module)
+    rule = MODULES.get(cls)
+    if rule is None:
+        return None
+    for c, found in _AS_FOUND[cls]:
+        now = vars(c)
+        if len(now) != len(found) or any(now.get(name, _GONE) is not value for name, value in found):
+            return None
+    return rule
+
+
+_GONE = object()
+
+
+def no_rule(module):
+    """Why ``module`` has no program rule (for :func:`module_rule` None), as a phrase: "a ReLU whose class ..." """
+    name = type(module).__name__
+    if type(module) in MODULES:
+        return (f"a {name} whose class was changed after mixedad was imported (a method or attribute replaced), so "
+                f"its program rule may not hold")
+    return f"a {name}, which has no program rule"
 
 # --- functions and methods ----------------------------------------------------------------------
 

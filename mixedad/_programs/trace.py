@@ -136,7 +136,7 @@ def trace(G, zs):
     while traced, and may count calls). Raises :class:`Unsupported`.
     """
     from mixedad._frontend.state import Snapshot
-    from mixedad._programs.rules import MODULES
+    from mixedad._programs.rules import module_rule
     if not isinstance(G, nn.Module) or isinstance(G, (torch.jit.ScriptModule, fx.GraphModule)):
         raise Unsupported(f"G is a {type(G).__name__}; tangent programs take an nn.Module")
     hooked = _hooks(G)
@@ -164,7 +164,7 @@ def trace(G, zs):
         python_random = random.getstate()
         try:
             with torch.enable_grad(), torch.inference_mode(False):
-                graph = MetaTrace(_before_each_node, lambda m: type(m) in MODULES).run(G, meta, concrete)
+                graph = MetaTrace(_before_each_node, lambda m: module_rule(m) is not None).run(G, meta, concrete)
             written = _attributes_written(snapshot) or _tensors_written(G, versions) or _changed(containers)
             if written:
                 raise Unsupported(f"G's forward sets or changes the attribute {written} (a counter, a cache), which a program, "
@@ -200,7 +200,7 @@ def chain(G, zs):
     patches nothing (other threads run on). Each layer's output dtype and number of dimensions come
     from its forward on meta tensors. Raises :class:`Unsupported`.
     """
-    from mixedad._programs.rules import MODULES
+    from mixedad._programs.rules import module_rule, no_rule
     if type(G) is not nn.Sequential:
         raise Unsupported(f"G is a {type(G).__name__}, not an nn.Sequential of torch.nn layers")
     if len(zs) != 1:
@@ -216,10 +216,10 @@ def chain(G, zs):
                 continue
             if type(child) is nn.Sequential:
                 flatten(child, f"{prefix}{name}.")
-            elif type(child) in MODULES:
+            elif module_rule(child) is not None:
                 layers.append((f"{prefix}{name}", child))
             else:
-                raise Unsupported(f"layer {prefix}{name} is a {type(child).__name__}, which has no program rule")
+                raise Unsupported(f"layer {prefix}{name} is {no_rule(child)}")
 
     flatten(G, "")
     # Channels-last activations before the 2-d convolutions, where no layer updates buffers from them (a train-mode

@@ -267,6 +267,30 @@ def test_a_hook_added_after_the_program_is_in_use_is_run(where, compile):
         handle.remove()
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_layer_class_changed_after_import_gets_no_program_and_says_so(compile, recwarn):
+    """Found by a review: with ``nn.Hardtanh.forward`` replaced between calls, the program took the Hardtanh rule
+    anyway; the check caught it (difference 1) but blamed mixedad ("please report") or the compiler. Now the chain
+    refuses the changed class (the default takes the per-op pass, silently) and compile=True names the change."""
+    G = nn.Sequential(nn.Linear(4, 4, dtype=D), nn.Hardtanh(), nn.Linear(4, 4, dtype=D))
+    z, y, v = (torch.randn(3, 4, dtype=D) for _ in range(3))
+    for _ in range(3):
+        mixedad.mixed_grad(f, G, z, y, v, compile=compile)
+    original = nn.Hardtanh.forward
+    nn.Hardtanh.forward = lambda self, x: torch.tanh(x) * 2
+    try:
+        for _ in range(3):
+            ours = mixedad.mixed_grad(f, G, z, y, v, compile=compile)
+            assert torch.allclose(ours, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-10, atol=0)
+    finally:
+        nn.Hardtanh.forward = original
+    messages = [str(w.message) for w in recwarn if "mixedad" in str(w.message)]
+    assert not any("differs" in m or "report" in m for m in messages), messages
+    if compile:
+        assert any("Hardtanh whose class was changed after mixedad was imported" in m for m in messages), messages
+    assert rules.module_rule(G[1]) is not None  # the class as found again: its rule holds
+
+
 def test_the_default_writes_programs_for_sequential_chains_of_torch_layers_only():
     inner = nn.Sequential(nn.Linear(4, 6, dtype=D), nn.ReLU(inplace=True))
     chain = nn.Sequential(nn.Unflatten(-1, (4, 1, 1)), nn.Flatten(), inner, nn.Linear(6, 4, dtype=D), nn.Tanh())
