@@ -298,10 +298,15 @@ for _type in (nn.Flatten, nn.Unflatten, nn.Upsample, nn.UpsamplingNearest2d, nn.
     MODULES[_type] = _linear_module_without_weights
 
 
-#: Each layer class of MODULES and its bases up to nn.Module, with their attributes as mixedad found them (held:
-#: an identity compared is never reused).
-_AS_FOUND = {cls: tuple((c, tuple(vars(c).items())) for c in cls.__mro__ if c not in nn.Module.__mro__)
-             for cls in MODULES}
+def _class_state(cls):
+    """A layer class's own attributes and its bases' up to nn.Module, but for dunder names (caches Python sets on a
+    class, as ``__slotnames__``; the program key leaves them out too)."""
+    return tuple((c, tuple((n, v) for n, v in vars(c).items() if not n.startswith("__")))
+                 for c in cls.__mro__ if c not in nn.Module.__mro__)
+
+
+#: Each layer class of MODULES as mixedad found it (the values held: an identity compared is never reused).
+_AS_FOUND = {cls: _class_state(cls) for cls in MODULES}
 
 
 def module_rule(module):
@@ -313,14 +318,10 @@ def module_rule(module):
     rule = MODULES.get(cls)
     if rule is None:
         return None
-    for c, found in _AS_FOUND[cls]:
-        now = vars(c)
-        if len(now) != len(found) or any(now.get(name, _GONE) is not value for name, value in found):
+    for (_, now), (_, found) in zip(_class_state(cls), _AS_FOUND[cls]):
+        if len(now) != len(found) or any(a is not b or m != n for (m, a), (n, b) in zip(now, found)):
             return None
     return rule
-
-
-_GONE = object()
 
 
 def no_rule(module):
