@@ -240,6 +240,19 @@ def test_plans_of_grouped_heads_and_masks_g_holds_equal_the_cpu_peak(name):
         assert (G.held if hasattr(G, "held") else G.mask) is mask and mask.device.type == "cpu" and torch.equal(mask, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_cuda_plan_of_grouped_heads_takes_flash_in_half_precision_only(dtype):
+    """PyTorch's CUDA flash kernel takes grouped heads (float16 and bfloat16, no mask): no T x T scores are planned
+    there. In float32 CUDA would take another kernel, which the plan does not credit with grouped heads: the math
+    backend's scores, high, never low."""
+    tokens = 512
+    G = _Grouped(2, 2).to(dtype).requires_grad_(False)
+    z = torch.randn(2, tokens, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
+    peak = plan(f, G, z, z, device="cuda", methods=("forward",)).peaks["forward"]
+    scores = 2 * 4 * tokens * tokens * z.element_size()  # batch x query heads x T x T
+    assert (peak < scores) == (dtype != torch.float32), (peak, scores)
+
+
 class _Cached(nn.Module):
     """Builds a cache attribute on first use (as rotary embeddings do)."""
 

@@ -160,10 +160,12 @@ def fused_kernel_would_run(query, key, value, attn_mask, device, enable_gqa=Fals
     those of the CPU's flash kernel (and a subset of CUDA's flash and memory-efficient ones): 4-d
     query, key and value with one batch and head count, one head dimension, unit stride in the
     last dimension, non-empty sequences, a mask of 2 or 4 dimensions or none, and a dtype the
-    kernel takes (CUDA: no float64). Grouped heads (``enable_gqa``): the CPU's flash kernel takes
-    them where key and value have one head count that divides the query's (measured on torch 2.13;
-    elsewhere it repeats them on the math backend); CUDA's are planned on the math backend.
-    Elsewhere the plan takes the math backend: high where the device would still fuse, never low.
+    kernel takes (CUDA: no float64). Grouped heads (``enable_gqa``) where key and value have one head
+    count that divides the query's: the CPU's flash kernel takes them (measured on torch 2.13;
+    elsewhere it repeats them on the math backend), and so does CUDA's flash kernel, in float16 and
+    bfloat16 without a mask (PyTorch's ``sdp_utils.cpp``: flash supports grouped query attention);
+    other grouped heads on CUDA are planned on the math backend. Elsewhere the plan takes the math
+    backend: high where the device would still fuse, never low.
     """
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
@@ -171,9 +173,11 @@ def fused_kernel_would_run(query, key, value, attn_mask, device, enable_gqa=Fals
     if not (query.shape[0] == key.shape[0] == value.shape[0]):
         return False
     heads = (query.shape[1], key.shape[1], value.shape[1])
-    if not heads[0] == heads[1] == heads[2] and not (
-            enable_gqa and device == "cpu" and heads[1] == heads[2] and heads[1] and heads[0] % heads[1] == 0):
-        return False
+    if not heads[0] == heads[1] == heads[2]:
+        grouped = enable_gqa and heads[1] == heads[2] and heads[1] and heads[0] % heads[1] == 0
+        flash = device == "cpu" or (attn_mask is None and query.dtype in (torch.float16, torch.bfloat16))
+        if not (grouped and flash):
+            return False
     if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or any(t.stride(-1) != 1 for t in tensors):
         return False
     if query.shape[-2] == 0 or key.shape[-2] == 0:
