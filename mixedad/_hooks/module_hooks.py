@@ -26,8 +26,8 @@ def backward_hooks(modules):
 def hook_handles(module):
     """The ids of ``module``'s forward, forward pre-, backward and backward pre-hooks, by kind (a handle's id is
     never reused: a hook removed and another added give other ids)."""
-    hooks = module.__dict__
-    return tuple(tuple(hooks[kind]) if hooks[kind] else () for kind in _KINDS)
+    hooks = vars(module)
+    return tuple(tuple(hooks.get(kind) or ()) for kind in _KINDS)
 
 
 def global_hook_handles():
