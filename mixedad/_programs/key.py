@@ -20,7 +20,7 @@ from torch import nn
 
 from mixedad._hooks.module_hooks import global_hook_handles, hook_handles
 
-__all__ = ["key_of"]
+__all__ = ["key_of", "own_attributes"]
 
 _SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 _SIMPLE_TYPES = frozenset(_SIMPLE)
@@ -90,6 +90,13 @@ def _module_key(m, held, root, key):
 _GLOBALS: Dict[type, Any] = {}
 
 
+def own_attributes(cls):
+    """``(name, value)`` of each attribute of a module class and of its bases up to ``nn.Module``, in that order,
+    dunder names left out (what Python keeps on a class, such as the ``__slotnames__`` cache)."""
+    return tuple((n, v) for c in cls.__mro__ if c not in nn.Module.__mro__ for n, v in vars(c).items()
+                 if not n.startswith("__"))
+
+
 def _class_key(cls, held):
     """The attributes of a module class and its bases up to ``nn.Module`` (``scale = 2.0`` in the class body),
     and the globals its ``forward`` names (``SCALE`` in ``x * SCALE``)."""
@@ -97,11 +104,10 @@ def _class_key(cls, held):
     if names is None:
         forward = getattr(cls.forward, "__code__", None)
         glob = getattr(cls.forward, "__globals__", {})
-        bases = tuple(c for c in cls.__mro__ if c not in nn.Module.__mro__)
-        names = _GLOBALS[cls] = (glob, tuple(n for n in forward.co_names if n in glob) if forward else (), bases)
-    glob, used, bases = names
+        names = _GLOBALS[cls] = (glob, tuple(n for n in forward.co_names if n in glob) if forward else ())
+    glob, used = names
     return (cls, tuple(_fingerprint(glob.get(n), held) for n in used),
-            tuple((n, _fingerprint(v, held)) for c in bases for n, v in vars(c).items() if not n.startswith("__")))
+            tuple((n, _fingerprint(v, held)) for n, v in own_attributes(cls)))
 
 
 def key_of(G, zs, vs, batch):

@@ -15,6 +15,7 @@ from torch import nn
 
 from mixedad._hooks.meta_trace import NDIM
 from mixedad._programs import tangents as T
+from mixedad._programs.key import own_attributes
 from mixedad._programs.trace import Unsupported
 
 __all__ = ["MODULES", "FUNCTIONS", "METHODS", "NOT_TENSORS", "Emit", "Missing", "carries", "draws", "module_rule",
@@ -298,15 +299,9 @@ for _type in (nn.Flatten, nn.Unflatten, nn.Upsample, nn.UpsamplingNearest2d, nn.
     MODULES[_type] = _linear_module_without_weights
 
 
-def _class_state(cls):
-    """A layer class's own attributes and its bases' up to nn.Module, but for dunder names (caches Python sets on a
-    class, as ``__slotnames__``; the program key leaves them out too)."""
-    return tuple((c, tuple((n, v) for n, v in vars(c).items() if not n.startswith("__")))
-                 for c in cls.__mro__ if c not in nn.Module.__mro__)
-
-
-#: Each layer class of MODULES as mixedad found it (the values held: an identity compared is never reused).
-_AS_FOUND = {cls: _class_state(cls) for cls in MODULES}
+#: Each layer class of MODULES with its attributes as mixedad found them (the values held: an identity compared is
+#: never reused).
+_AS_FOUND = {cls: own_attributes(cls) for cls in MODULES}
 
 
 def module_rule(module):
@@ -318,9 +313,9 @@ def module_rule(module):
     rule = MODULES.get(cls)
     if rule is None:
         return None
-    for (_, now), (_, found) in zip(_class_state(cls), _AS_FOUND[cls]):
-        if len(now) != len(found) or any(a is not b or m != n for (m, a), (n, b) in zip(now, found)):
-            return None
+    now, found = own_attributes(cls), _AS_FOUND[cls]
+    if len(now) != len(found) or any(a is not b or m != n for (m, a), (n, b) in zip(now, found)):
+        return None
     return rule
 
 
