@@ -163,9 +163,13 @@ def fused_kernel_would_run(query, key, value, attn_mask, device, enable_gqa=Fals
     kernel takes (CUDA: no float64). Grouped heads (``enable_gqa``) where key and value have one head
     count that divides the query's: the CPU's flash kernel takes them (measured on torch 2.13;
     elsewhere it repeats them on the math backend), and so does CUDA's flash kernel, in float16 and
-    bfloat16 without a mask (PyTorch's ``sdp_utils.cpp``: flash supports grouped query attention);
-    other grouped heads on CUDA are planned on the math backend. Elsewhere the plan takes the math
-    backend: high where the device would still fuse, never low.
+    bfloat16 without a mask and with a head dimension of at most 256; other grouped heads on CUDA are
+    planned on the math backend. On CUDA the head dimension must also be a multiple of 8 (CUDA's
+    memory-efficient kernel takes no other with a mask, nor in float32). The CUDA conditions were
+    read off PyTorch's own choice (``torch._fused_sdp_choice``) on an H200 with torch 2.11
+    (tests/test_cuda.py); a GPU older than Ampere has no flash kernel and runs grouped heads on the
+    math backend. Elsewhere the plan takes the math backend: high where the device would still
+    fuse, never low.
     """
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
@@ -179,6 +183,8 @@ def fused_kernel_would_run(query, key, value, attn_mask, device, enable_gqa=Fals
         if not (grouped and flash):
             return False
     if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or any(t.stride(-1) != 1 for t in tensors):
+        return False
+    if device == "cuda" and (query.shape[-1] % 8 or (heads[0] != heads[1] and query.shape[-1] > 256)):
         return False
     if query.shape[-2] == 0 or key.shape[-2] == 0:
         return False

@@ -53,6 +53,12 @@ _REDUCED = 1e-1
 #: and 3% (float16) from float64.
 EAGER_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
 _EAGER_REDUCED = 1e-1
+#: Where a program's difference from the eager pass exceeds the tolerance above, it is accepted while it stays
+#: within this many times what round-off of its inputs moves it by (:func:`_round_off`). In float32 the zoo's
+#: DCGAN in eval mode with 8 extra blocks (its tanh saturated) lies 1.7e-3 from the per-op pass on the CPU,
+#: and that round-off is 1.4e-3; on CUDA, whose convolutions run in TF32 by default, the per-op pass itself
+#: lies 5% from float64.
+ROUND_OFF_FACTOR = 8
 #: Outputs and tangents whose root mean square lies below this many epsilons of the inputs' are
 #: round-off (zero in exact arithmetic), compared by that bound and not relative to themselves;
 #: never above :data:`ROUND_OFF_CAP` of the inputs' (a thousand epsilons of bfloat16 are 8 times the
@@ -73,7 +79,9 @@ class CompiledTangent:
         \lVert \dot g_{\text{compiled}} - \dot g_{\text{eager}} \rVert_2
             \le \tau \, \lVert \dot g_{\text{eager}} \rVert_2
 
-    with :math:`\tau` from :data:`TOLERANCE` by dtype (:math:`2 \cdot 10^{-2}` in float32).
+    with :math:`\tau` from :data:`TOLERANCE` by dtype (:math:`2 \cdot 10^{-2}` in float32), or, where
+    the difference is larger, at most :data:`ROUND_OFF_FACTOR` times what the program's own tangent moves by
+    when its inputs move by round-off (``_round_off``: an ill-conditioned G, TF32 convolutions on CUDA).
 
     Attributes:
         inputs: ``(shape, dtype)`` of each input of G.
@@ -426,6 +434,8 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
     entry.difference = difference
     tolerance = TOLERANCE.get(zs[0].dtype, _REDUCED) if compile else EAGER_TOLERANCE.get(zs[0].dtype, _EAGER_REDUCED)
     if not difference <= tolerance:
+        tolerance = max(tolerance, ROUND_OFF_FACTOR * _round_off(run, zs, vs, tangents, before, after))
+    if not difference <= tolerance:
         own = _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after) if compile else difference
         culprit = ("mixedad's tangent program itself differs, run without the compiler (relative difference "
                    f"{own:.3g}); please report it with G's code" if not own <= tolerance else "a compiler bug")
@@ -444,6 +454,27 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
 def _first_line(error):
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def _round_off(run, zs, vs, tangents, before, after):
+    """How far ``run``'s tangents move when its inputs move by round-off: z by 4 epsilons, v to ``3 v``.
+
+    ``run(z (1 + 4 eps), 3 v) / 3`` against ``tangents``, in :func:`_differs`' norm. The tangent is linear in v,
+    and a change of z by 4 epsilons moves it by what rounding G's activations does in this dtype on these
+    kernels (a tanh saturated in eval mode, TF32 convolutions on CUDA): the error a correct float32 program can
+    have. A wrong program (a lost term, a wrong scale) is wrong in both runs alike and does not widen it.
+    0 where the run raises (the fixed tolerance stands).
+    """
+    moved = [z * (1 + 4 * torch.finfo(z.dtype).eps) if z.is_floating_point() else z for z in zs]
+    before.restore()
+    try:
+        with torch.no_grad():
+            _, scaled = run(*moved, *(v * 3 for v in vs))
+    except Exception:  # noqa: BLE001
+        return 0.0
+    finally:
+        after.restore()
+    return _differs([None if t is None else t / 3 for t in scaled], list(tangents), vs)
 
 
 def _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after):

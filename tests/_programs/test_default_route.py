@@ -131,6 +131,37 @@ def test_a_program_that_differs_from_the_per_op_pass_is_dropped_with_a_warning(m
     assert entry.status == "eager"
 
 
+def _ill_conditioned_dcgan():
+    """float32, eval mode, 8 extra blocks: one ReLU input of 32768 lies 2.5e-6 from zero (float64), within
+    float32's round-off, and the program, whose convolutions carry the batch norms, takes the other side of the
+    kink from the per-op pass: they lie 4.2e-3 apart, 4x the fixed float32 tolerance."""
+    G, z, y, v = mixedad.benchmark.build("dcgan", 8, 16, 8, torch.float32, "cpu")
+    return G.eval(), z, y, v
+
+
+def test_a_program_whose_difference_is_its_own_round_off_is_kept():
+    G, z, y, v = _ill_conditioned_dcgan()
+    mixedad.mixed_grad(f, G, z, y, v)
+    mixedad.mixed_grad(f, G, z, y, v)  # the check: no warning (warnings are errors here)
+    [entry] = compiled._EAGER[G].values()
+    assert entry.status == "compiled" and entry.difference > compiled.EAGER_TOLERANCE[torch.float32]
+    program = mixedad.mixed_grad(f, G, z, y, v)
+    expected = double_backward_mixed_grad(f, copy.deepcopy(G).double(), z.double(), y.double(), v.double())
+    assert ((program.double() - expected).norm() / expected.norm()).item() < 1e-2
+
+
+def test_a_wrong_program_is_dropped_where_round_off_is_large_too(monkeypatch):
+    """5% off in every ReLU's tangent: beyond 8 times the program's round-off on the ill-conditioned DCGAN."""
+    G, z, y, v = _ill_conditioned_dcgan()
+    mixedad.mixed_grad(f, G, z, y, v)
+    wrong = rules._pointwise_module(lambda t, x, y_, params: 1.05 * torch.ops.aten.threshold_backward(t, y_, 0), ())
+    monkeypatch.setitem(rules.MODULES, nn.ReLU, wrong)
+    with pytest.warns(RuntimeWarning, match="tangent program differs from mixedad's per-op pass .*please report"):
+        mixedad.mixed_grad(f, G, z, y, v)
+    [entry] = compiled._EAGER[G].values()
+    assert entry.status == "eager"
+
+
 def test_a_program_that_raises_later_falls_back_to_the_per_op_pass_with_a_warning(monkeypatch):
     G = mixedad.zoo.mlp(3, 8, dtype=D)
     z, y, v = _problem(G)
