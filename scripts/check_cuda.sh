@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one short run on a machine with CUDA and PyTorch installed:
-# tests/test_cuda.py (with its tables), the suite's tests crossed with the cuda device, and
-# scripts/profile_cuda.py. Logs and a tarball of the profile go to ${OUT:-cuda-check}.
+# tests/test_cuda.py (with its tables), the suite's tests crossed with the cuda device,
+# scripts/profile_cuda.py and benchmarks/cuda_speed.py. Logs, the speed table and a tarball of the
+# profile go to ${OUT:-cuda-check}; about 4 minutes on an H200.
 #
 #     bash scripts/check_cuda.sh
 set -uo pipefail
@@ -16,6 +17,7 @@ timeout "${CROSSED_SECONDS:-120}" "${pytest[@]}" -k cuda --ignore=tests/test_cud
     | tee "$out/cuda_crossed.log"
 timeout "${PROFILE_SECONDS:-150}" python3 scripts/profile_cuda.py --repeats 3 --out "$out/profile" 2>&1 \
     | tee "$out/profile.log"
+timeout "${SPEED_SECONDS:-180}" python3 benchmarks/cuda_speed.py --repeats 9 --out "$out" 2>&1 | tee "$out/speed.log"
 if [ -d "$out/profile" ]; then
     tar czf "$out/profile.tgz" -C "$out" profile
     if [ "$(stat -c %s "$out/profile.tgz")" -gt 15000000 ]; then  # the traces can be large: keep the rest

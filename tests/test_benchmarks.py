@@ -77,11 +77,11 @@ def test_cuda_script_exits_cleanly_without_cuda():
         import pytest
 
         pytest.skip("a CUDA device is present; the script would profile")
-    script = BENCH.parent / "scripts" / "profile_cuda.py"
     env = {**__import__("os").environ, "PYTHONPATH": str(BENCH.parent)}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0
-    assert "no CUDA device is available here" in proc.stdout
+    for script in (BENCH.parent / "scripts" / "profile_cuda.py", BENCH / "cuda_speed.py"):
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0
+        assert "no CUDA device is available here" in proc.stdout
 
 
 def test_neighbours_benchmark_runs(tmp_path, monkeypatch):
@@ -200,3 +200,19 @@ def test_the_readme_speed_table_is_the_committed_results():
     table = (BENCH / "results" / "tangent_speed_cpu.md").read_text()
     readme = (BENCH.parent / "README.md").read_text()
     assert module.readme_with_table(readme, table) == readme, "run python benchmarks/tangent_speed.py"
+
+
+def test_cuda_speed_benchmark_runs_on_the_cpu_at_a_tiny_size(tmp_path, capsys):
+    """The GPU speed benchmark's logic, on the CPU: every method timed, the block sizes swept, results written."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from cuda_speed import main
+    finally:
+        sys.path.remove(str(BENCH))
+    assert main(["--device", "cpu", "--quick", "--repeats", "1", "--block-mib", "0.01", "1.5",
+                 "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "cuda_speed_cpu.json").read_text())["rows"]
+    assert [r["generator"] for r in rows] == ["dcgan 4 channels, batch 2", "attention T=64"]
+    assert set(rows[1]["peak_vs_plain"]) == {"plain forward", "double backward", "mixed_grad, 0.01 MiB blocks",
+                                             "mixed_grad, 1.5 MiB blocks"}
+    assert "| mixed_grad compiled |" in (tmp_path / "cuda_speed_cpu.md").read_text()
