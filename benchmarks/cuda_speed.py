@@ -6,8 +6,9 @@ For each generator, in one process (float32; medians of round-robin ratios, time
   key's third call: its tangent program), mixed_grad compiled, double backward, the hand JVP of
   ``benchmarks/tangent_speed.py`` and that hand JVP compiled;
 - ``attention`` (``zoo.attention_stack(64, nhead=4, layers=2)``, T = 2048 and 8192): plain forward, double
-  backward, and mixed_grad with the attention rule's block of scores at several sizes (``--block-mib``; the
-  default is 1.5 MiB, sized for a CPU's cache), each with its peak memory (the CUDA allocator's, exact).
+  backward, and mixed_grad with the attention rule's block of scores at several sizes (``--block-mib``,
+  through ``mixedad.op_rules.attention_blocks``; the default is 1.5 MiB, sized for a CPU's cache), each
+  with its peak memory (the CUDA allocator's, exact).
 
 On an H200 (torch 2.11) mixed_grad on attention took 38x (T = 2048) and 59x (T = 8192) the plain forward at the
 default block size, against double backward's 10x and 9x: 353 causal blocks a layer at T = 8192, each a dozen
@@ -27,7 +28,6 @@ import torch
 
 import mixedad
 from mixedad.benchmark import build, interleaved_ratios, objective, peak, script_arguments
-from mixedad.op_rules import _attention
 from mixedad.reference import double_backward_mixed_grad
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -62,11 +62,8 @@ def attention_row(tokens, blocks_mib, device, repeats):
 
     def with_blocks(mib):
         def run():
-            default, _attention.BLOCK_BYTES = _attention.BLOCK_BYTES, int(mib * 2**20)
-            try:
+            with mixedad.op_rules.attention_blocks(int(mib * 2**20)):
                 return mixedad.mixed_grad(objective, G, z, y, v)
-            finally:
-                _attention.BLOCK_BYTES = default
         return run
 
     fns = {"plain forward": lambda: plain(z),

@@ -26,6 +26,7 @@ import weakref
 import torch
 
 from mixedad._hooks.autocast import cpu_autocast_on
+from mixedad._hooks.thread_local import setting
 
 
 @contextlib.contextmanager
@@ -200,9 +201,5 @@ _PLAN = threading.local()
 @contextlib.contextmanager
 def planning_for(device):
     """Inside the block, attention on meta tensors acts as on ``device`` (a memory plan): :func:`blockwise_primal_here`."""
-    previous = getattr(_PLAN, "device", None)
-    _PLAN.device = device
-    try:
+    with setting(_PLAN, "device", device):
         yield
-    finally:
-        _PLAN.device = previous

@@ -33,6 +33,7 @@ from torch.autograd.function import Function, _SingleLevelFunction
 
 from mixedad._hooks.functorch import in_functorch_transform
 from mixedad._hooks.refcount import SharedPatch
+from mixedad._hooks.thread_local import setting
 
 _local = threading.local()
 
@@ -102,12 +103,8 @@ _PATCH = SharedPatch(_install, _uninstall)
 def direct():
     """``Function.apply`` as torch defines it in this thread for the block (the local rule's own
     reverse passes, the probes): no handler sees the Functions they run."""
-    previous = getattr(_local, "handler", None)
-    _local.handler = None
-    try:
+    with setting(_local, "handler", None):
         yield
-    finally:
-        _local.handler = previous
 
 
 @contextlib.contextmanager

@@ -67,6 +67,7 @@ from mixedad._hooks.functorch import TangentBatch, in_functorch_transform
 from mixedad._hooks.library_ops import is_library_op
 from mixedad._hooks.torch_function_stack import popped
 from mixedad.op_rules import _attention, _formulas, _frozen_layers, _rnn  # noqa: F401  (they register their rules)
+from mixedad.op_rules._attention import attention_blocks
 from mixedad.op_rules._custom_functions import GRADIENT_HOOKS, forward_pass_custom_function
 from mixedad.op_rules._errors import (FunctionUnderTransformError, NeedsWholeG, OpRuleError, RestartPass,
                                       UnderTransformError)
@@ -79,7 +80,7 @@ __all__ = [
     "Path", "PATHS", "SKIPPABLE", "Rule", "OpCall", "TABLE", "register", "unregister", "skipping", "skipped_paths",
     "op_name",
     "OpRules", "PathRecorder", "OpRuleError", "UnderTransformError", "FunctionUnderTransformError",
-    "KNOWN_WRONG", "DROPS_TANGENT", "NO_FORMULA", "forget_failures",
+    "KNOWN_WRONG", "DROPS_TANGENT", "NO_FORMULA", "forget_failures", "attention_blocks",
 ]
 
 FROZEN, ATTENTION, FORMULA, USER, LOCAL, FORWARD, WHOLE_G = Path

@@ -44,7 +44,10 @@ backend under forward AD instead: the fused kernels cannot hand out their dropou
 math backend draws exactly the random numbers double backward draws from the same state. That
 path holds :math:`T \times T` tensors.
 """
+import contextlib
 import math
+import threading
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -52,11 +55,45 @@ from torch.overrides import TorchFunctionMode
 
 from mixedad._hooks.attention_backends import blockwise_primal_here, math_backend, meta_stand_in, output_tokens_first
 from mixedad._hooks.composites import COMPOSITES, run_inside
+from mixedad._hooks.thread_local import setting
 from mixedad.op_rules._errors import UnderTransformError
 from mixedad.op_rules._table import Path, defrule
 
 #: Bytes of scores per block (all batch entries and heads, a block of queries, every key).
 BLOCK_BYTES = 3 << 19  # 1.5 MiB
+_BLOCKS = threading.local()
+
+
+@contextlib.contextmanager
+def attention_blocks(nbytes: int) -> Iterator[None]:
+    r"""Inside the block, the attention rule's blocks of queries hold about ``nbytes`` of scores (this thread).
+
+    .. math::
+
+        	ext{rows per block} pprox rac{\mathtt{nbytes}}{	ext{batch} \cdot 	ext{heads} \cdot T_k \cdot
+        	ext{bytes per score}}
+
+    The default, 1.5 MiB, is sized for a CPU's cache. Each block costs a dozen kernel launches: on a GPU
+    (an H200, T = 8192) the default made mixed_grad 6x slower than double backward, by launches alone.
+    Larger blocks launch fewer kernels and hold more at once (the peak grows by a few blocks, still
+    flat in T). A memory plan (:func:`mixedad.profiling.plan`) made inside the block plans those blocks.
+
+    Example:
+        >>> import torch, mixedad
+        >>> G = mixedad.zoo.attention_stack(16, nhead=2, layers=1)
+        >>> z = torch.randn(1, 64, 16)
+        >>> with mixedad.op_rules.attention_blocks(64 << 20):
+        ...     out = mixedad.mixed_grad(lambda y, g: (g * y).sum(), G, z, z, z)
+        >>> out.shape
+        torch.Size([1, 64, 16])
+
+    Raises:
+        ValueError: ``nbytes`` is not a positive integer.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"attention_blocks(nbytes): expected a positive number of bytes, got {nbytes!r}.")
+    with setting(_BLOCKS, "nbytes", nbytes):
+        yield
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -178,7 +215,7 @@ def blockwise_attention(q, k, v, dq, dk, dv, *, out=None, attn_mask=None, is_cau
     with_score_tangent = dq4 is not None or dk4 is not None
     o3 = None if out is None else _flat(out, work, batch)
     mask = None if attn_mask is None else attn_mask.expand(*batch, lq, lk)
-    budget = (BLOCK_BYTES if block_bytes is None else block_bytes) // (
+    budget = (getattr(_BLOCKS, "nbytes", None) or BLOCK_BYTES if block_bytes is None else block_bytes) // (
         max(1, n * size) * (torch.finfo(work).bits // 8))  # score entries per block
     blocks = _blocks(lq, lk, budget, is_causal, plan_only=q.is_meta)
     most = max(step * (min(lk, start + step) if is_causal else lk) for start, step in blocks)

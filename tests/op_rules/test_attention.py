@@ -444,3 +444,24 @@ def test_a_plan_of_a_mask_held_outside_g():
     planned = mixedad.profiling.plan(cubic, G, z, y, device="cpu", methods="mixed_grad").peaks["mixed_grad"]
     measured = peak_memory(mixedad.mixed_grad, cubic, G, z, y)[1]
     assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
+
+
+def test_attention_blocks_sets_the_block_size_for_this_thread_and_the_plan():
+    """Smaller blocks: the same numbers, a smaller peak (planned alike), and the default back after the block."""
+    from mixedad.profiling import plan
+
+    G = mixedad.zoo.attention_stack(16, nhead=2, layers=1, dtype=F64)
+    z, y, v = (randn(1, 96, 16) for _ in range(3))
+    whole, whole_peak = peak_memory(mixedad.mixed_grad, cubic, G, z, y, v)  # 1.5 MiB: one block of 96 queries
+    with mixedad.op_rules.attention_blocks(16 * 96 * 8):  # 8 queries a block
+        blocks, blocks_peak = peak_memory(mixedad.mixed_grad, cubic, G, z, y, v)
+        planned = plan(cubic, G, z, y, device="cpu", methods=("mixed_grad",)).peaks["mixed_grad"]
+    assert_close(blocks, whole, rtol=1e-12)
+    assert blocks_peak < whole_peak and blocks_peak <= planned <= 1.1 * blocks_peak  # a plan runs two blocks: high
+    assert peak_memory(mixedad.mixed_grad, cubic, G, z, y, v)[1] == whole_peak
+    with pytest.raises(RuntimeError, match="inside"), mixedad.op_rules.attention_blocks(4096):
+        raise RuntimeError("inside")
+    assert peak_memory(mixedad.mixed_grad, cubic, G, z, y, v)[1] == whole_peak
+    for bad in (0, -1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="attention_blocks"), mixedad.op_rules.attention_blocks(bad):
+            pass
