@@ -64,9 +64,7 @@ def push_tangents(call, G, zs, vs, *, recorder=None, compile=False):
         UnderTransformError: the batch cannot be pushed in one pass (see the module docstring).
     """
     with one_pass(call):
-        def forward(at_zs=zs, at_vs=vs):  # the per-op pass; the program's check also runs it at moved inputs
-            return _push_batch(call, G, at_zs, at_vs, recorder)
-
+        forward = functools.partial(_push_batch, call, G, zs, vs, recorder)
         if compile:
             return push_compiled(call, G, zs, vs, forward, batch=vs[0].shape[0])
         return forward()

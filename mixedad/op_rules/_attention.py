@@ -70,8 +70,8 @@ def attention_blocks(nbytes: int) -> Iterator[None]:
 
     .. math::
 
-        	ext{rows per block} pprox rac{\mathtt{nbytes}}{	ext{batch} \cdot 	ext{heads} \cdot T_k \cdot
-        	ext{bytes per score}}
+        \text{rows per block} \approx \frac{\mathtt{nbytes}}{\text{batch} \cdot \text{heads} \cdot T_k \cdot
+        \text{bytes per score}}
 
     The default, 1.5 MiB, is sized for a CPU's cache. Each block costs a dozen kernel launches: on a GPU
     (an H200, T = 8192) the default made mixed_grad 6x slower than double backward, by launches alone.

@@ -140,15 +140,16 @@ def _ill_conditioned_dcgan():
     return G.eval(), z, y, v
 
 
-def test_a_program_a_relu_kink_apart_from_the_per_op_pass_is_kept():
+def test_a_program_a_relu_kink_apart_is_dropped_with_a_warning_that_says_it_may_be_round_off():
+    """The check stays tight (a tangent 0.5% off fails): such a G runs the per-op pass, whose numbers are right."""
     G, z, y, v = _ill_conditioned_dcgan()
-    mixedad.mixed_grad(f, G, z, y, v)
-    mixedad.mixed_grad(f, G, z, y, v)  # the check: no warning (warnings are errors here)
+    first = mixedad.mixed_grad(f, G, z, y, v)
+    with pytest.warns(RuntimeWarning, match="please report it with G's code; in float32 this much can also be "
+                                            "round-off, a ReLU input within round-off of zero"):
+        mixedad.mixed_grad(f, G, z, y, v)
     [entry] = compiled._EAGER[G].values()
-    assert entry.status == "compiled" and 1e-3 < entry.difference <= compiled.EAGER_TOLERANCE[torch.float32]
-    program = mixedad.mixed_grad(f, G, z, y, v)
-    expected = double_backward_mixed_grad(f, copy.deepcopy(G).double(), z.double(), y.double(), v.double())
-    assert ((program.double() - expected).norm() / expected.norm()).item() < 1e-2
+    assert entry.status == "eager" and 1e-3 < entry.difference < 1e-2
+    assert torch.equal(mixedad.mixed_grad(f, G, z, y, v), first)
 
 
 def _linear_leaking_its_bias(e):
@@ -159,9 +160,8 @@ def _linear_leaking_its_bias(e):
 
 
 @pytest.mark.parametrize("bug", ["relu 5%", "tanh 2%", "linear bias in the tangent"])
-def test_a_wrong_program_is_dropped_where_round_off_is_large_too(monkeypatch, bug):
-    """On the ill-conditioned DCGAN (and a small MLP for nn.Linear), small wrong tangents still fail the check,
-    also where the difference lies in the range where the per-op pass's own round-off is measured."""
+def test_a_wrong_program_is_dropped_where_round_off_is_large(monkeypatch, bug):
+    """On the ill-conditioned DCGAN (and a small MLP for nn.Linear), small wrong tangents fail the check."""
     if bug == "linear bias in the tangent":
         G = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
         z, y, v = (torch.randn(5, 4), torch.randn(5, 3), torch.randn(5, 4))
