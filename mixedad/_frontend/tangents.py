@@ -275,9 +275,7 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
             if recorder is not None:
                 recorder.fallback = "strategy='reverse'"
             return _reverse(call, G, zs, vs, cotangent)
-        def forward(at_G=G, at_zs=zs, at_vs=vs):  # the per-op pass (the programs' check also runs it on a copy)
-            return _push_forward(call, at_G, at_zs, at_vs, strategy, recorder, cotangent)
-
+        forward = functools.partial(_push_forward, call, G, zs, vs, strategy, recorder, cotangent)
         if compile:
             return push_compiled(call, G, zs, vs, forward)
         if recorder is None and not skipped_paths():  # a report, or a pass told to skip rules, takes the per-op pass

@@ -17,7 +17,6 @@ per-op pass with a warning too. :func:`push_compiled` takes a program from a key
 :func:`push_program`, the default, from the second call with the same inputs' layouts (a G called
 once writes nothing). :func:`compiled_tangents` lists what was compiled, with compile times.
 """
-import copy
 import dataclasses
 import sys
 import threading
@@ -52,15 +51,11 @@ _REDUCED = 1e-1
 #: order of a few operations differs (the batch-norm scale in the weight), so the bound is round-off. Tight on
 #: purpose, so that a tangent 0.5% off fails: in float32 a ReLU input within round-off of zero can then fail it
 #: too, taking the other side of the kink in the two passes (one element of 32768 moved the zoo's eval DCGAN
-#: with 8 extra blocks by 4.2e-3; on CUDA without TF32, eval DCGANs lay 1.7e-3 to 2.5e-3 apart): such a
-#: program is checked again in float64 (:data:`RECHECK_BELOW`). In bfloat16 and float16 round-off is
+#: with 8 extra blocks by 4.2e-3; on CUDA without TF32, eval DCGANs lay 1.7e-3 to 2.5e-3 apart), and that G
+#: runs the per-op pass, with a warning that says so (:data:`KINK`). In bfloat16 and float16 round-off is
 #: large: on the zoo's DCGAN the per-op pass itself lies 7% to 8% (bfloat16) and 3% (float16) from float64.
 EAGER_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
-#: A float32 program that the check would drop by less than this is checked again on a float64 copy of G, z and
-#: v (:func:`_agrees_in_float64`), where G's float64 state holds at most :data:`RECHECK_BYTES`.
-RECHECK_BELOW = 1e-2
-RECHECK_BYTES = 256 << 20
-#: What the warning of a float32 program dropped by less than :data:`RECHECK_BELOW`, not checked again, adds.
+#: What the warning of a float32 program dropped by a difference below 1e-2 adds.
 KINK = ("; in float32 this much can also be round-off, a ReLU input within round-off of zero taking the other "
         "side of the kink in the two passes: the per-op pass's numbers, which this G now gets, are right")
 _EAGER_REDUCED = 1e-1
@@ -93,8 +88,6 @@ class CompiledTangent:
         reason: why this key runs eager; empty when compiled.
         compile_seconds: time of the first compiled call (compiling included), or None.
         difference: the check's largest relative difference from the eager pass, or None.
-        rechecked: where a float32 difference lay a little over the tolerance, whether the program agreed on a
-            float64 copy of G (``_agrees_in_float64``); None where it was not checked again.
 
     Example:
         >>> import torch, mixedad
@@ -109,7 +102,6 @@ class CompiledTangent:
     reason: str = ""
     compile_seconds: Optional[float] = None
     difference: Optional[float] = None
-    rechecked: Optional[bool] = None
     program: Any = dataclasses.field(default=None, repr=False)
     spec: Any = dataclasses.field(default=None, repr=False)
     held: Any = dataclasses.field(default=None, repr=False)
@@ -433,16 +425,11 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
     difference = max(_differs(list(primals), g_leaves, zs), _differs(list(tangents), tangent_leaves, vs))
     entry.difference = difference
     tolerance = TOLERANCE.get(zs[0].dtype, _REDUCED) if compile else EAGER_TOLERANCE.get(zs[0].dtype, _EAGER_REDUCED)
-    recheck = not compile and not batch and zs[0].dtype == torch.float32 and tolerance < difference < RECHECK_BELOW
-    agrees = _agrees_in_float64(G, zs, vs, eager_push, before, after) if recheck else None
-    entry.rechecked = agrees
-    if not (difference <= tolerance or agrees):
+    if not difference <= tolerance:
         own = _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after) if compile else difference
         culprit = ("mixedad's tangent program itself differs, run without the compiler (relative difference "
                    f"{own:.3g}); please report it with G's code" if not own <= tolerance else "a compiler bug")
-        if agrees is False:
-            culprit += "; it differs on a float64 copy of G too"
-        elif recheck:
+        if not compile and zs[0].dtype == torch.float32 and difference < 1e-2:
             culprit += KINK
         what = "compiled tangent program differs from the eager pass" if compile else \
             "tangent program differs from mixedad's per-op pass"
@@ -459,37 +446,6 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
 def _first_line(error):
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
-
-
-def _agrees_in_float64(G, zs, vs, eager_push, before, after):
-    """Whether G's program agrees with the per-op pass (to float64's tolerance) on a float64 copy of G, z and v.
-
-    For a float32 program the check would drop by a little: a ReLU input within float32's round-off of zero
-    that the two passes put on different sides of the kink is resolved in float64, and a wrong rule is as wrong
-    there (the program of the copy is written by the same rules; it leaves out only the float32 CPU's
-    channels-last layout, which moves no value). The copy starts from G's state before the call; G ends as
-    ``after``. None where G's float64 state would hold more than :data:`RECHECK_BYTES`, or the copy or either
-    pass raises (out of memory, a module that cannot be copied): the float32 check stands.
-    """
-    tensors = [*G.parameters(), *G.buffers()]
-    if sum(t.numel() for t in tensors if t.is_floating_point()) * 8 > RECHECK_BYTES:
-        return None
-    before.restore()
-    try:
-        copy64 = copy.deepcopy(G).double()
-        zs64 = [z.double() if z.is_floating_point() else z for z in zs]
-        vs64 = [v.double() for v in vs]
-        fresh = Snapshot(copy64)
-        g_leaves, tangent_leaves, _ = eager_push(copy64, zs64, vs64)
-        fresh.restore()
-        with torch.no_grad():
-            primals, tangents = write(copy64, zs64, trace_code=False).module(*zs64, *vs64)
-    except Exception:  # noqa: BLE001
-        return None
-    finally:
-        after.restore()
-    difference = max(_differs(list(primals), g_leaves, zs64), _differs(list(tangents), tangent_leaves, vs64))
-    return difference <= EAGER_TOLERANCE[torch.float64]
 
 
 def _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after):

@@ -140,43 +140,16 @@ def _ill_conditioned_dcgan():
     return G.eval(), z, y, v
 
 
-def test_a_program_a_relu_kink_apart_is_checked_again_in_float64_and_kept():
+def test_a_program_a_relu_kink_apart_is_dropped_with_a_warning_that_says_it_may_be_round_off():
+    """The check stays tight (a tangent 0.5% off fails): such a G runs the per-op pass, whose numbers are right."""
     G, z, y, v = _ill_conditioned_dcgan()
-    mixedad.mixed_grad(f, G, z, y, v)
-    mixedad.mixed_grad(f, G, z, y, v)  # the check: no warning (warnings are errors here)
-    [entry] = compiled._EAGER[G].values()
-    assert entry.status == "compiled" and entry.rechecked is True and 1e-3 < entry.difference < 1e-2
-    program = mixedad.mixed_grad(f, G, z, y, v)
-    expected = double_backward_mixed_grad(f, copy.deepcopy(G).double(), z.double(), y.double(), v.double())
-    assert ((program.double() - expected).norm() / expected.norm()).item() < 1e-2
-
-
-def test_where_the_float64_copy_is_too_large_the_warning_says_it_may_be_round_off(monkeypatch):
-    G, z, y, v = _ill_conditioned_dcgan()
-    monkeypatch.setattr(compiled, "RECHECK_BYTES", 1024)
     first = mixedad.mixed_grad(f, G, z, y, v)
     with pytest.warns(RuntimeWarning, match="please report it with G's code; in float32 this much can also be "
                                             "round-off, a ReLU input within round-off of zero"):
         mixedad.mixed_grad(f, G, z, y, v)
     [entry] = compiled._EAGER[G].values()
-    assert entry.status == "eager" and entry.rechecked is None
+    assert entry.status == "eager" and 1e-3 < entry.difference < 1e-2
     assert torch.equal(mixedad.mixed_grad(f, G, z, y, v), first)
-
-
-def test_the_float64_recheck_leaves_g_as_one_forward_does(monkeypatch):
-    """Train-mode batch norm, every difference sent to the float64 copy: G's buffers end as after one forward."""
-    monkeypatch.setitem(compiled.EAGER_TOLERANCE, torch.float32, -1.0)  # below any difference
-    G = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).train()
-    z, y, v = torch.randn(5, 6), torch.randn(5, 3), torch.randn(5, 6)
-    mixedad.mixed_grad(f, G, z, y, v)
-    expected = copy.deepcopy(G)
-    with torch.no_grad():
-        expected(z)
-    mixedad.mixed_grad(f, G, z, y, v)
-    [entry] = compiled._EAGER[G].values()
-    assert entry.rechecked is True and entry.status == "compiled"
-    for (name, mine), (_, theirs) in zip(G.named_buffers(), expected.named_buffers()):
-        assert torch.equal(mine, theirs), name
 
 
 def _linear_leaking_its_bias(e):
@@ -186,7 +159,7 @@ def _linear_leaking_its_bias(e):
                   graph.get_attr(f"{e.node.target}.bias"))
 
 
-@pytest.mark.parametrize("bug", ["relu 5%", "tanh 2%", "tanh 0.4%", "linear bias in the tangent"])
+@pytest.mark.parametrize("bug", ["relu 5%", "tanh 2%", "linear bias in the tangent"])
 def test_a_wrong_program_is_dropped_where_round_off_is_large(monkeypatch, bug):
     """On the ill-conditioned DCGAN (and a small MLP for nn.Linear), small wrong tangents fail the check."""
     if bug == "linear bias in the tangent":
@@ -195,20 +168,17 @@ def test_a_wrong_program_is_dropped_where_round_off_is_large(monkeypatch, bug):
         module, rule = nn.Linear, _linear_leaking_its_bias
     else:
         G, z, y, v = _ill_conditioned_dcgan()
-        scale, op = (1.05, torch.ops.aten.threshold_backward) if bug == "relu 5%" else \
-            (1.02 if bug == "tanh 2%" else 1.004, None)
+        scale, op = (1.05, torch.ops.aten.threshold_backward) if bug == "relu 5%" else (1.02, None)
         module = nn.ReLU if bug == "relu 5%" else nn.Tanh
         rule = rules._pointwise_module(
             (lambda t, x, y_, params: scale * torch.ops.aten.threshold_backward(t, y_, 0)) if op is not None else
             (lambda t, x, y_, params: scale * torch.ops.aten.tanh_backward(t, y_)), ())
     mixedad.mixed_grad(f, G, z, y, v)
     monkeypatch.setitem(rules.MODULES, module, rule)
-    with pytest.warns(RuntimeWarning, match="tangent program differs from mixedad's per-op pass .*please report") as seen:
+    with pytest.warns(RuntimeWarning, match="tangent program differs from mixedad's per-op pass .*please report"):
         mixedad.mixed_grad(f, G, z, y, v)
     [entry] = compiled._EAGER[G].values()
     assert entry.status == "eager"
-    if bug == "tanh 0.4%":  # within the float32 window: the float64 copy disagrees too
-        assert entry.rechecked is False and "differs on a float64 copy of G too" in str(seen[0].message)
 
 
 def test_a_program_that_raises_later_falls_back_to_the_per_op_pass_with_a_warning(monkeypatch):
