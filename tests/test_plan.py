@@ -309,3 +309,13 @@ def test_attention_the_cpu_runs_on_its_math_backend_is_planned_so(case):
 def test_one_method_as_a_string():
     z = torch.randn(4, 8)
     assert list(plan(f, nn.Linear(8, 8), z, z, methods="forward").peaks) == ["forward"]
+
+
+def test_a_cuda_plan_of_a_convolution_net_says_cudnn_s_workspace_is_not_in_it():
+    from mixedad.profiling import CUDNN_WORKSPACE
+
+    G, z, y = _problem("dcgan")
+    cuda, cpu = plan(f, G, z, y, device="cuda"), plan(f, G, z, y, device="cpu")
+    assert cuda.notes == (CUDNN_WORKSPACE,) and str(cuda).endswith(CUDNN_WORKSPACE) and cpu.notes == ()
+    G, z, y = _problem("mlp")
+    assert plan(f, G, z, y, device="cuda").notes == ()
