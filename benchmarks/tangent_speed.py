@@ -6,6 +6,9 @@ of the ratio within one round, so that a shared machine's slow spells cancel):
 - ``plain_forward``: G(z) under no_grad (the unit);
 - ``two plain forwards``: G(z) twice, the floor of any tangent pass that computes the primal and a
   tangent of the same cost;
+- ``two compiled forwards`` (with ``--compile``, where G has a tangent program): ``torch.compile(G)(z)``
+  twice, the same floor for a compiled pass (the compiler's kernels for the primal and for a tangent of
+  the same cost);
 - ``mixed_grad``: mixedad's default, eager (from a key's third call: G's tangent program run
   without the compiler, where G has one; the per-op pass elsewhere);
 - ``mixed_grad per-op``: mixedad's per-op pass alone (what the default runs on a first call, and for a
@@ -97,7 +100,7 @@ def problems(quick):
     yield "attention", G, z, y, v, True, False
 
 
-def point(name, G, z, y, v, with_jvp, with_hand, repeats, compile_hand):
+def point(name, G, z, y, v, with_jvp, with_hand, repeats, also_compiled):
     def two_forwards():
         with torch.no_grad():
             G(z)
@@ -120,6 +123,14 @@ def point(name, G, z, y, v, with_jvp, with_hand, repeats, compile_hand):
         if entry.status != "compiled":
             raise RuntimeError(f"{name}: compile=True ran eager: {entry.reason}")
         fns["mixed_grad compiled"] = lambda: mixedad.mixed_grad(objective, G, z, y, v, compile=True)
+        if also_compiled:
+            compiled_G = torch.no_grad()(torch.compile(G))
+
+            def two_compiled_forwards():
+                compiled_G(z)
+                return compiled_G(z)
+
+            fns["two compiled forwards"] = two_compiled_forwards
     if with_jvp:
         def func_jvp():
             with mixedad.reference.differentiable_attention():  # the fused kernels have no forward AD
@@ -130,7 +141,7 @@ def point(name, G, z, y, v, with_jvp, with_hand, repeats, compile_hand):
     if with_hand:
         hand = hand_jvp(G)
         fns["hand JVP"] = lambda: hand(z, v)
-        if compile_hand:
+        if also_compiled:
             compiled = torch.compile(hand)
             start = time.perf_counter()
             compiled(z, v)
@@ -146,8 +157,8 @@ def point(name, G, z, y, v, with_jvp, with_hand, repeats, compile_hand):
     return row
 
 
-COLUMNS = ["two plain forwards", "mixed_grad", "mixed_grad per-op", "mixed_grad compiled", "torch.func.jvp", "hand JVP",
-           "hand JVP compiled"]
+COLUMNS = ["two plain forwards", "mixed_grad", "mixed_grad per-op", "two compiled forwards", "mixed_grad compiled",
+           "torch.func.jvp", "hand JVP", "hand JVP compiled"]
 
 
 def markdown(rows, meta):
@@ -182,7 +193,7 @@ def markdown(rows, meta):
 
 def main(argv=None):
     parser = script_arguments(__file__, __doc__, repeats=31, quick="tiny models: a smoke test of the pipeline")
-    parser.add_argument("--compile", action="store_true", help="also time the hand JVP under torch.compile")
+    parser.add_argument("--compile", action="store_true", help="also time the hand JVP and G's own forward under torch.compile")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     meta = (f"float32, CPU (torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads); "

@@ -21,10 +21,15 @@ __all__ = ["Program", "write"]
 
 
 class Program:
-    """A written tangent program: ``module(*zs, *vs) -> (primals, tangents)`` and G's output spec."""
+    """A written tangent program: ``module(*zs, *vs) -> (primals, tangents)`` and G's output spec.
 
-    def __init__(self, module, spec, n_inputs):
-        self.module, self.spec, self.n_inputs = module, spec, n_inputs
+    ``own_primal``: whether the program computes G's primal by G's own calls, op for op, in G's layouts
+    (no batch norm folded into a convolution, no channels-last activations), so that the primal is a plain
+    forward's, bit for bit, and a ReLU input within round-off of zero takes the side of the kink a plain
+    forward (and double backward) takes."""
+
+    def __init__(self, module, spec, n_inputs, own_primal=True):
+        self.module, self.spec, self.n_inputs, self.own_primal = module, spec, n_inputs, own_primal
 
     def __call__(self, *args):
         return self.module(*args)
@@ -41,12 +46,14 @@ def _has_tangent(node):
 class _Builder:
     """Writes a program node by node. ``eager``: the program runs without a compiler (a chain's), so its rules may
     save passes and tensors a compiler would save by itself (a batch norm folded into the convolution before it,
-    activations in place). ``exact_primal``: no rule may change G's primal by round-off (a layer updates buffers
-    from it in training mode: running statistics stay a plain forward's, bit for bit)."""
+    activations in place). ``exact_primal``: no rule may change G's primal by round-off (asked for, or a layer
+    updates buffers from it in training mode: running statistics stay a plain forward's, bit for bit);
+    ``primal_changed``: a rule did."""
 
-    def __init__(self, traced, eager=False):
+    def __init__(self, traced, eager=False, exact_primal=False):
         self.traced, self.eager = traced, eager
-        self.exact_primal = any(m.training and m._buffers for m in traced.modules())
+        self.exact_primal = exact_primal or any(m.training and m._buffers for m in traced.modules())
+        self.primal_changed = False
         self.graph = fx.Graph()
         self.primal, self.tangent = {}, {}
         self._tuples = set()
@@ -132,16 +139,18 @@ class _Builder:
             self.tangent[node] = tangent
 
 
-def write(G, zs, *, trace_code=True):
+def write(G, zs, *, trace_code=True, exact_primal=False):
     """G's tangent :class:`Program` for inputs shaped as the tensors ``zs``, or raise :class:`Unsupported`.
 
     With ``trace_code`` G's forward is traced (:func:`~mixedad._programs.trace.trace`: the user's modules
     are traced through); without, G must be an ``nn.Sequential`` chain of ``torch.nn`` layers
     (:func:`~mixedad._programs.trace.chain`), whose graph is written without running any code of G's.
+    With ``exact_primal`` the primal is G's own calls in G's layouts (:attr:`Program.own_primal`): no batch norm
+    folded into a convolution's primal, no channels-last activations.
     """
     n_inputs = len(zs)
-    traced = trace(G, zs) if trace_code else chain(G, zs)
-    builder = _Builder(traced, eager=not trace_code)
+    traced = trace(G, zs) if trace_code else chain(G, zs, exact_primal)
+    builder = _Builder(traced, eager=not trace_code, exact_primal=exact_primal)
     graph = builder.graph
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     if len(placeholders) < n_inputs or any(not n.args for n in placeholders[n_inputs:]):
@@ -177,4 +186,5 @@ def write(G, zs, *, trace_code=True):
             tangents.append(None)
     graph.output((tuple(primals), tuple(tangents)))
     builder.drop_unused()
-    return Program(fx.GraphModule(traced, graph), spec, n_inputs)
+    relaid = any(n.op == "call_function" and n.target is T.channels_last for n in traced.graph.nodes)
+    return Program(fx.GraphModule(traced, graph), spec, n_inputs, own_primal=not (relaid or builder.primal_changed))

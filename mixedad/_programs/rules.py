@@ -164,6 +164,7 @@ def _fold_into_conv(e, t):
         conv_module, bn_module = t.args[0], e.module_node()
         folded = e.call(T.folded_layer, conv_module, bn_module, t.args[1])
         e.builder.drop_if_unused(e.builder.primal[conv_node])
+        e.builder.primal_changed = True
         e.replace_primal(e.call(T.conv_folded, conv_module, bn_module, e.builder.primal[conv_node.args[0]], folded))
         return e.call(T.conv_folded_tangent, conv_module, bn_module, t.args[1], folded)
     return e.call(T.conv_batch_norm_eval, t.args[0], e.module_node(), t.args[1])

@@ -186,14 +186,14 @@ def trace(G, zs):
                     delattr(m, name)
 
 
-def chain(G, zs):
+def chain(G, zs, exact_primal=False):
     """G's graph without a trace, where G is an ``nn.Sequential`` (nested ones flattened) of ``torch.nn`` layers that
     have program rules, each called on the output of the one before.
 
     Before each 2-d convolution the activation goes channels-last
     (:func:`mixedad._programs.tangents.channels_last`: float32 on the CPU, where oneDNN's convolutions run
-    faster so), unless a layer of G updates buffers in training mode: G's output then differs from a plain
-    forward's by round-off, as another kernel's would, and so does its tangent.
+    faster so), unless ``exact_primal`` or a layer of G updates buffers in training mode: G's output then
+    differs from a plain forward's by round-off, as another kernel's would, and so does its tangent.
 
     What such a G computes is its layers' own code with their attributes, all of which the key sees: no
     code of the user's runs (no globals read, no side effects, no proxies left behind) and ``torch.fx``
@@ -224,7 +224,7 @@ def chain(G, zs):
     flatten(G, "")
     # Channels-last activations before the 2-d convolutions, where no layer updates buffers from them (a train-mode
     # batch norm's running statistics would differ from a plain forward's by round-off).
-    relayout = not any(layer.training and layer._buffers for _, layer in layers)
+    relayout = not exact_primal and not any(layer.training and layer._buffers for _, layer in layers)
     graph = fx.Graph()
     x = graph.placeholder("z")
     z = zs[0]

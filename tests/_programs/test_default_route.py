@@ -13,6 +13,7 @@ call against double backward (and its buffers against plain forwards); a wrong o
 dropped with a warning; what a trace must refuse or clean up; the program's exact peak bytes.
 """
 import copy
+import warnings
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixedad
-from mixedad._programs import compiled, rules
+from mixedad._frontend.tangents import push_tangent
+from mixedad._programs import compiled, program, rules
 from mixedad._programs.compiled import programs_unchecked
 from mixedad.reference import double_backward_mixed_grad
 from tests import test_seams, test_seams_more
@@ -140,16 +142,45 @@ def _ill_conditioned_dcgan():
     return G.eval(), z, y, v
 
 
-def test_a_program_a_relu_kink_apart_is_dropped_with_a_warning_that_says_it_may_be_round_off():
-    """The check stays tight (a tangent 0.5% off fails): such a G runs the per-op pass, whose numbers are right."""
+def _per_op_push(G, z, v):
+    with mixedad.per_op_pass():
+        return push_tangent("test", G, [z], [v])
+
+
+def test_a_program_a_relu_kink_apart_is_written_again_as_g_s_own_calls_and_kept():
+    """The check stays tight (a tangent 0.5% off fails): the folded, channels-last program of such a G fails it by
+    round-off, and G gets the program whose primal is its own calls, equal to the per-op pass bit for bit."""
     G, z, y, v = _ill_conditioned_dcgan()
     first = mixedad.mixed_grad(f, G, z, y, v)
-    with pytest.warns(RuntimeWarning, match="please report it with G's code; in float32 this much can also be "
-                                            "round-off, a ReLU input within round-off of zero"):
-        mixedad.mixed_grad(f, G, z, y, v)
+    fast = program.write(G, [z], trace_code=False)
+    with torch.no_grad():
+        _, [tangent] = fast.module(z, v)
+    _, [per_op], _ = _per_op_push(G, z, v)
+    assert not fast.own_primal and 1e-3 < ((tangent - per_op).norm() / per_op.norm()).item() < 1e-2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = mixedad.mixed_grad(f, G, z, y, v)
     [entry] = compiled._EAGER[G].values()
-    assert entry.status == "eager" and 1e-3 < entry.difference < 1e-2
-    assert torch.equal(mixedad.mixed_grad(f, G, z, y, v), first)
+    assert entry.status == "compiled" and entry.program.own_primal and entry.difference == 0.0
+    third = mixedad.mixed_grad(f, G, z, y, v)
+    assert torch.equal(second, first) and torch.equal(third, first)
+
+
+def test_a_wrong_fold_is_replaced_by_g_s_own_calls_and_reported(monkeypatch):
+    """A fold that scales its primal by 1.05, as a bug would: the program of G's own calls is kept (right numbers),
+    and the warning asks for a report."""
+    from mixedad._programs import tangents
+
+    G, z, y, v = _ill_conditioned_dcgan()
+    first = mixedad.mixed_grad(f, G, z, y, v)
+    right = tangents.conv_folded
+    monkeypatch.setattr(tangents, "conv_folded", lambda m, bn, x, folded: 1.05 * right(m, bn, x, folded))
+    with pytest.warns(RuntimeWarning, match="folds batch norms into convolutions or runs them channels-last differs "
+                                            "from mixedad's per-op pass .*runs the program of its own layer calls"):
+        second = mixedad.mixed_grad(f, G, z, y, v)
+    [entry] = compiled._EAGER[G].values()
+    assert entry.status == "compiled" and entry.program.own_primal
+    assert torch.equal(second, first) and torch.equal(mixedad.mixed_grad(f, G, z, y, v), first)
 
 
 def _linear_leaking_its_bias(e):
