@@ -163,12 +163,17 @@ def attention(q, k, v, dq, dk, dv, attn_mask, is_causal, scale, enable_gqa):
     return attention_rule(lambda: F.scaled_dot_product_attention(q, k, v, **options), q, k, v, dq, dk, dv, **options)
 
 
+def relays_out(dim, dtype, device):
+    """Whether :func:`channels_last` moves a tensor of this many dimensions, dtype and device (not already
+    channels-last): a 4-d float32 tensor on the CPU, oneDNN on, where a 2-d convolution runs faster so."""
+    return dim == 4 and dtype == torch.float32 and torch.device(device).type == "cpu" and torch.backends.mkldnn.enabled
+
+
 def channels_last(x):
-    """``x`` in the channels-last layout where a 2-d convolution runs faster so (a 4-d float32 tensor on the CPU,
-    oneDNN on); else ``x`` itself. Linear and the identity in value: a program puts it before the
-    convolutions of a chain (:func:`mixedad._programs.trace.chain`), on the primal and the tangent alike."""
-    if (x.dim() == 4 and x.device.type == "cpu" and x.dtype == torch.float32
-            and torch.backends.mkldnn.enabled and not x.is_contiguous(memory_format=torch.channels_last)):
+    """``x`` in the channels-last layout where a 2-d convolution runs faster so (:func:`relays_out`); else ``x``
+    itself. Linear and the identity in value: a program puts it before the convolutions of a chain
+    (:func:`mixedad._programs.trace.chain`), on the primal and the tangent alike."""
+    if relays_out(x.dim(), x.dtype, x.device) and not x.is_contiguous(memory_format=torch.channels_last):
         return x.contiguous(memory_format=torch.channels_last)
     return x
 

@@ -31,7 +31,7 @@ from mixedad._frontend.state import plain_attributes
 from mixedad._hooks.meta_trace import DTYPE, NDIM, MetaTrace, forward_on_meta, inside_function_apply
 from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.sequential import forward_hooks
-from mixedad._programs.tangents import channels_last, strided_as
+from mixedad._programs.tangents import channels_last, relays_out, strided_as
 
 __all__ = ["Unsupported", "chain", "trace"]
 
@@ -231,7 +231,8 @@ def chain(G, zs, exact_primal=False):
     meta = torch.empty_strided(z.shape, z.stride(), dtype=z.dtype, device="meta")
     relaid = False
     for name, layer in layers:
-        if relayout and type(layer) in (nn.Conv2d, nn.ConvTranspose2d):
+        if relayout and type(layer) in (nn.Conv2d, nn.ConvTranspose2d) and (
+                meta is None or relays_out(meta.dim(), meta.dtype, z.device)):  # only where it moves the activation
             relaid = True
             x = graph.call_function(channels_last, (x,))
             if meta is not None:

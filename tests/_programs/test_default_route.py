@@ -166,20 +166,33 @@ def test_a_program_a_relu_kink_apart_is_written_again_as_g_s_own_calls_and_kept(
     assert torch.equal(second, first) and torch.equal(third, first)
 
 
-def test_a_wrong_fold_is_replaced_by_g_s_own_calls_and_reported(monkeypatch):
-    """A fold that scales its primal by 1.05, as a bug would: the program of G's own calls is kept (right numbers),
-    and the warning asks for a report."""
+@pytest.mark.parametrize("dtype, scale", [(torch.float32, 1.2), (torch.float64, 1.003)])
+def test_a_wrong_fold_is_replaced_by_g_s_own_calls_and_reported(monkeypatch, dtype, scale):
+    """A fold that scales its primal, as a bug would: the program of G's own calls is kept (right numbers), and the
+    warning asks for a report: in float64 at any size, in float32 beyond what a kink can move (5e-2)."""
     from mixedad._programs import tangents
 
-    G, z, y, v = _ill_conditioned_dcgan()
+    G, z, y, v = (t.to(dtype) for t in _ill_conditioned_dcgan())
     first = mixedad.mixed_grad(f, G, z, y, v)
     right = tangents.conv_folded
-    monkeypatch.setattr(tangents, "conv_folded", lambda m, bn, x, folded: 1.05 * right(m, bn, x, folded))
+    monkeypatch.setattr(tangents, "conv_folded", lambda m, bn, x, folded: scale * right(m, bn, x, folded))
     with pytest.warns(RuntimeWarning, match="folds batch norms into convolutions or runs them channels-last differs "
                                             "from mixedad's per-op pass .*runs the program of its own layer calls"):
         second = mixedad.mixed_grad(f, G, z, y, v)
     [entry] = compiled._EAGER[G].values()
     assert entry.status == "compiled" and entry.program.own_primal
+    assert torch.equal(second, first) and torch.equal(mixedad.mixed_grad(f, G, z, y, v), first)
+
+
+def test_a_program_that_fails_and_whose_own_calls_fail_too_says_both(monkeypatch):
+    """A ReLU rule 1% off, which both programs share: the per-op pass from then on, and a warning naming both."""
+    G, z, y, v = _ill_conditioned_dcgan()
+    first = mixedad.mixed_grad(f, G, z, y, v)
+    wrong = rules._pointwise_module(lambda t, x, y_, params: 1.01 * torch.ops.aten.threshold_backward(t, y_, 0), ())
+    monkeypatch.setitem(rules.MODULES, nn.ReLU, wrong)
+    with pytest.warns(RuntimeWarning, match=r"mixedad's program differs; so does the program of G's own layer "
+                                            r"calls \([0-9.e-]+\); please report"):
+        second = mixedad.mixed_grad(f, G, z, y, v)
     assert torch.equal(second, first) and torch.equal(mixedad.mixed_grad(f, G, z, y, v), first)
 
 
