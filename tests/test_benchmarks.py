@@ -216,3 +216,22 @@ def test_cuda_speed_benchmark_runs_on_the_cpu_at_a_tiny_size(tmp_path, capsys):
     assert set(rows[1]["peak_vs_plain"]) == {"plain forward", "double backward", "mixed_grad, 0.01 MiB blocks",
                                              "mixed_grad, 1.5 MiB blocks"}
     assert "| mixed_grad compiled |" in (tmp_path / "cuda_speed_cpu.md").read_text()
+
+
+def test_jax_compare_says_what_it_needs_or_runs_at_a_tiny_size(tmp_path, capsys):
+    """The JAX comparison is optional: without JAX it says so and exits 0; with it, JAX's numbers equal mixedad's."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from jax_compare import main
+    finally:
+        sys.path.remove(str(BENCH))
+    assert main(["--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        assert "JAX is not installed" in capsys.readouterr().out
+        assert not (tmp_path / "jax_compare_cpu.json").exists()
+        return
+    rows = json.loads((tmp_path / "jax_compare_cpu.json").read_text())["rows"]
+    assert [r["generator"] for r in rows] == ["dcgan (eval)", "dcgan (train)"]
+    assert all(r["difference"]["G(z)"] < 1e-4 and r["difference"]["mixed"] < 1e-4 for r in rows)
