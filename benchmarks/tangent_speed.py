@@ -7,8 +7,8 @@ of the ratio within one round, so that a shared machine's slow spells cancel):
 - ``two plain forwards``: G(z) twice, the floor of any tangent pass that computes the primal and a
   tangent of the same cost;
 - ``two compiled forwards`` (with ``--compile``, where G has a tangent program): ``torch.compile(G)(z)``
-  twice, the same floor for a compiled pass (the compiler's kernels for the primal and for a tangent of
-  the same cost);
+  twice, the compiler's kernels for the primal and a tangent of the same cost computed apart (the
+  reference for a compiled pass where G's time is its convolutions, as the DCGAN's);
 - ``mixed_grad``: mixedad's default, eager (from a key's third call: G's tangent program run
   without the compiler, where G has one; the per-op pass elsewhere);
 - ``mixed_grad per-op``: mixedad's per-op pass alone (what the default runs on a first call, and for a

@@ -301,8 +301,10 @@ def push_program(call, G, zs, vs, eager_push):
     layouts, and every call of any other G: nothing is written for a G called once. The second call writes the program, runs it
     and the per-op pass from the same state and compares them (as ``compile=True`` does); from then
     on the program runs alone, with no per-op dispatch. G's refusals are silent: the per-op pass is
-    mixedad's own path, not a fallback. A program that differs from the per-op pass, or raises, is
-    dropped with a warning (mixedad's own error, to report).
+    mixedad's own path, not a fallback. A program that folds batch norms or runs channels-last and differs from
+    the per-op pass, or raises, is replaced by the program of G's own calls where that one passes
+    (:func:`_exact_program`); any other program that differs or raises is dropped with a warning (mixedad's own
+    error, to report).
     """
     if type(G) is not nn.Sequential or getattr(_SWITCHES, "per_op", None) or \
             _refusal(G, zs, vs, observers=True) is not None:
@@ -415,43 +417,47 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
               f"{f' and {batch} tangents' if batch else ''} (once per G, shapes and dtypes) ...", file=sys.stderr,
               flush=True)
     start = time.perf_counter()
+    failure = None
     try:
         run = _compile(entry, batch, len(zs)) if compile else _program_fn(entry, batch, len(zs))
         with torch.no_grad():
             primals, tangents = run(*zs, *vs)
     except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
-        _fall_back(call, G, entry, _blame(entry, batch, zs, vs, error, before) if compile else
-                   f"mixedad's tangent program fails on these inputs ({_first_line(error)}); please report it "
-                   f"with G's code")
-        after.restore()
-        return g_leaves, tangent_leaves, spec
+        if compile or program.own_primal:
+            _fall_back(call, G, entry, _blame(entry, batch, zs, vs, error, before) if compile else
+                       f"mixedad's tangent program fails on these inputs ({_first_line(error)}); please report it "
+                       f"with G's code")
+            after.restore()
+            return g_leaves, tangent_leaves, spec
+        failure = f"fails on these inputs ({_first_line(error)})"
     if compile:
         entry.compile_seconds = time.perf_counter() - start
     after.restore()
-    difference = max(_differs(list(primals), g_leaves, zs), _differs(list(tangents), tangent_leaves, vs))
+    difference = float("inf") if failure else max(_differs(list(primals), g_leaves, zs),
+                                                   _differs(list(tangents), tangent_leaves, vs))
     entry.difference = difference
     tolerance = TOLERANCE.get(zs[0].dtype, _REDUCED) if compile else EAGER_TOLERANCE.get(zs[0].dtype, _EAGER_REDUCED)
+    failure = failure or (f"differs from mixedad's per-op pass (largest relative difference {difference:.3g}, "
+                          f"tolerance {tolerance:g})")
     also = ""
     if not difference <= tolerance and not compile and not program.own_primal:
-        exact = _exact_program(G, zs, vs, g_leaves, tangent_leaves, before, after)
-        if exact is not None and exact[1] <= tolerance:
-            _report_fold(call, G, zs[0].dtype, difference, tolerance)
-            entry.program, entry.difference = exact
-            run, difference = entry.program.module, entry.difference
+        exact, exact_difference, exact_failure = _exact_program(G, zs, vs, g_leaves, tangent_leaves, before, after)
+        if exact_difference <= tolerance:
+            _report_fold(call, G, zs[0].dtype, difference, tolerance, failure)
+            entry.program, entry.difference = exact, exact_difference
+            run, difference = _program_fn(entry, batch, len(zs)), exact_difference
         else:
-            also = ("; so does the program of G's own layer calls" if exact is None else
-                    f"; so does the program of G's own layer calls ({exact[1]:.3g})")
+            also = f"; the program of G's own layer calls {exact_failure}"
     if not difference <= tolerance:
         if compile:
             own = _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after)
             culprit = ("mixedad's tangent program itself differs, run without the compiler (relative difference "
                        f"{own:.3g}); please report it with G's code" if not own <= tolerance else "a compiler bug")
-            what = "compiled tangent program differs from the eager pass"
+            reason = (f"the compiled tangent program differs from the eager pass (largest relative difference "
+                      f"{difference:.3g}, tolerance {tolerance:g}): {culprit}")
         else:
-            culprit = f"mixedad's program differs{also}; please report it with G's code"
-            what = "tangent program differs from mixedad's per-op pass"
-        _fall_back(call, G, entry, f"the {what} (largest relative difference {difference:.3g}, tolerance "
-                                   f"{tolerance:g}): {culprit}")
+            reason = f"the tangent program {failure}{also}: mixedad's program is wrong here; please report it with G's code"
+        _fall_back(call, G, entry, reason)
     else:
         entry.status, entry.run = "compiled", run
         if compile:
@@ -461,34 +467,36 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
 
 
 def _exact_program(G, zs, vs, g_leaves, tangent_leaves, before, after):
-    """``(program, difference)``: G's program whose primal is G's own calls in G's layouts
+    """``(program, difference, failure)``: G's program whose primal is G's own calls in G's layouts
     (:attr:`~mixedad._programs.program.Program.own_primal`), run from the state ``before`` and compared with the
-    per-op pass's numbers; None where it raises. Where a program that folds batch norms or relays activations out
-    fails the check by round-off (a ReLU input within round-off of zero on the other side of its kink, or TF32
-    convolutions of a folded weight), this one takes every kink as the per-op pass and double backward do: on the
-    zoo's ill-conditioned DCGAN it equals the per-op pass bit for bit."""
+    per-op pass's numbers, and what went wrong, in words (program None and difference inf where it raised). Where a
+    program that folds batch norms or relays activations out fails the check by round-off (a ReLU input within
+    round-off of zero on the other side of its kink, or TF32 convolutions of a folded weight), this one takes every
+    kink as the per-op pass and double backward do: on the zoo's ill-conditioned DCGAN it equals the per-op pass
+    bit for bit."""
     try:
         program = write(G, zs, trace_code=False, exact_primal=True)
         before.restore()
         with torch.no_grad():
             primals, tangents = program.module(*zs, *vs)
-    except Exception:  # noqa: BLE001 - no such program: the check's verdict on the first stands
-        return None
+    except Exception as error:  # noqa: BLE001 - no such program: the check's verdict on the first stands
+        return None, float("inf"), f"fails too ({_first_line(error)})"
     finally:
         after.restore()
-    return program, max(_differs(list(primals), g_leaves, zs), _differs(list(tangents), tangent_leaves, vs))
+    difference = max(_differs(list(primals), g_leaves, zs), _differs(list(tangents), tangent_leaves, vs))
+    return program, difference, f"differs too ({difference:.3g})"
 
 
-def _report_fold(call, G, dtype, difference, tolerance):
-    """Warn where a folded or channels-last program that G's own calls replace differed by more than a kink taken
-    on the other side can move a tangent in ``dtype`` (:data:`ROUND_OFF_FOLD`): a rule of the fold or the layout is
-    wrong, and that is mixedad's bug (the numbers, the per-op pass's and then G's own calls', are right)."""
+def _report_fold(call, G, dtype, difference, tolerance, failure):
+    """Warn where a folded or channels-last program that G's own calls replace raised, or differed by more than a
+    kink taken on the other side can move a tangent in ``dtype`` (:data:`ROUND_OFF_FOLD`): a rule of the fold or the
+    layout is wrong, and that is mixedad's bug (the numbers, the per-op pass's and then G's own calls', are right).
+    ``failure``: what the program did, in words."""
     if difference > max(ROUND_OFF_FOLD.get(dtype, float("inf")), tolerance):
         warn_once(("fold differs", id(G), call), (
-            f"mixedad: {call}: the tangent program of {type(G).__name__} that folds batch norms into convolutions "
-            f"or runs them channels-last differs from mixedad's per-op pass (largest relative difference "
-            f"{difference:.3g}); G runs the program of its own layer calls, which matches it. Please report it "
-            f"with G's code."))
+            f"mixedad: {call}: the tangent program of {type(G).__name__} that folds batch norms into convolutions or "
+            f"runs them channels-last {failure}; G runs the program of its own layer calls, which matches the per-op "
+            f"pass. Please report it with G's code."))
 
 
 def _first_line(error):

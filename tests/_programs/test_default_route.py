@@ -184,15 +184,47 @@ def test_a_wrong_fold_is_replaced_by_g_s_own_calls_and_reported(monkeypatch, dty
     assert torch.equal(second, first) and torch.equal(mixedad.mixed_grad(f, G, z, y, v), first)
 
 
-def test_a_program_that_fails_and_whose_own_calls_fail_too_says_both(monkeypatch):
-    """A ReLU rule 1% off, which both programs share: the per-op pass from then on, and a warning naming both."""
+@pytest.mark.parametrize("own_calls", ["differ", "raise"])
+def test_a_program_that_fails_and_whose_own_calls_fail_too_says_both(monkeypatch, own_calls):
+    """A ReLU rule 1% off, which both programs share (or a program of G's own calls that raises): the per-op pass
+    from then on, and a warning naming both."""
     G, z, y, v = _ill_conditioned_dcgan()
     first = mixedad.mixed_grad(f, G, z, y, v)
     wrong = rules._pointwise_module(lambda t, x, y_, params: 1.01 * torch.ops.aten.threshold_backward(t, y_, 0), ())
     monkeypatch.setitem(rules.MODULES, nn.ReLU, wrong)
-    with pytest.warns(RuntimeWarning, match=r"mixedad's program differs; so does the program of G's own layer "
-                                            r"calls \([0-9.e-]+\); please report"):
+    message = r"differs too \([0-9.e-]+\)"
+    if own_calls == "raise":
+        right = program.write
+
+        def write(G, zs, *, trace_code=True, exact_primal=False):
+            if exact_primal:
+                raise RuntimeError("planted")
+            return right(G, zs, trace_code=trace_code)
+
+        monkeypatch.setattr(compiled, "write", write)
+        message = r"fails too \(RuntimeError: planted\)"
+    with pytest.warns(RuntimeWarning, match=r"tangent program differs from mixedad's per-op pass \(.*\); the program "
+                                            r"of G's own layer calls " + message + r": mixedad's program is wrong "
+                                            r"here; please report"):
         second = mixedad.mixed_grad(f, G, z, y, v)
+    assert torch.equal(second, first) and torch.equal(mixedad.mixed_grad(f, G, z, y, v), first)
+
+
+def test_a_folded_program_that_raises_is_replaced_by_g_s_own_calls_and_reported(monkeypatch):
+    from mixedad._programs import tangents
+
+    G, z, y, v = _ill_conditioned_dcgan()
+    first = mixedad.mixed_grad(f, G, z, y, v)
+
+    def broken(m, bn, x, folded):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(tangents, "conv_folded", broken)
+    with pytest.warns(RuntimeWarning, match=r"runs them channels-last fails on these inputs \(RuntimeError: planted\); "
+                                            r"G runs the program of its own layer calls"):
+        second = mixedad.mixed_grad(f, G, z, y, v)
+    [entry] = compiled._EAGER[G].values()
+    assert entry.status == "compiled" and entry.program.own_primal and entry.difference == 0.0
     assert torch.equal(second, first) and torch.equal(mixedad.mixed_grad(f, G, z, y, v), first)
 
 
