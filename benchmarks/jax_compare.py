@@ -23,7 +23,6 @@ Writes benchmarks/results/jax_compare_cpu.{json,md}.
 
     python benchmarks/jax_compare.py [--out DIR] [--repeats N] [--quick]
 """
-import json
 import platform
 import sys
 import time
@@ -33,7 +32,7 @@ import torch
 from torch import nn
 
 import mixedad
-from mixedad.benchmark import build, interleaved_ratios, objective, script_arguments
+from mixedad.benchmark import build, interleaved_ratios, objective, script_arguments, write_table
 
 
 def jax_generator(G, layout):
@@ -214,11 +213,7 @@ def main(argv=None):
         G.train(mode == "train").requires_grad_(False)
         rows.append(point(f"dcgan ({mode})", G, z, y, v, args.repeats))
         print(f"jax_compare: dcgan ({mode}) done", file=sys.stderr, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "jax_compare_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    table = markdown(rows, meta)
-    (args.out / "jax_compare_cpu.md").write_text(table + "\n")
-    print(table)
+    write_table(args.out, "jax_compare_cpu", meta, rows, markdown(rows, meta))
     return 0
 
 

@@ -56,8 +56,9 @@ def _generate(app):
     generated.mkdir(exist_ok=True)
     (generated / "op_paths_table.md").write_text(_op_paths_table())
     # The benchmarks' tables, as their scripts last wrote them (tangent_speed.py, attention_vs_length.py,
-    # many_tangents.py, jax_compare.py): never copied by hand, so never stale.
-    for table in ("tangent_speed_cpu.md", "attention_cpu.md", "many_tangents_cpu.md", "jax_compare_cpu.md"):
+    # many_tangents.py, jax_compare.py, float32_kinks.py): never copied by hand, so never stale.
+    for table in ("tangent_speed_cpu.md", "attention_cpu.md", "many_tangents_cpu.md", "jax_compare_cpu.md",
+                  "float32_kinks_cpu.md"):
         shutil.copyfile(HERE.parent / "benchmarks" / "results" / table, generated / table)
     notebooks = HERE / "notebooks"
     notebooks.mkdir(exist_ok=True)

@@ -47,7 +47,7 @@ from mixedad.profiling import cpu_peak_memory, cuda_peak_memory, median_time
 from mixedad.reference import double_backward_mixed_grad
 from mixedad.testing import max_relative_error
 
-__all__ = ["profile", "markdown", "write", "script_arguments", "interleaved_times", "interleaved_ratios", "STRATEGIES",
+__all__ = ["profile", "markdown", "write", "write_table", "script_arguments", "interleaved_times", "interleaved_ratios", "STRATEGIES",
            "DEFAULT_STRATEGIES", "MODELS"]
 
 
@@ -403,6 +403,33 @@ def write(rows: Sequence[Mapping[str, Any]], out_dir: Union[str, os.PathLike[str
     paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     paths[1].write_text(f"{title}\n\n{markdown(rows)}\n")
     plot(rows, paths[2], title)
+    return paths
+
+
+def write_table(out_dir: Union[str, os.PathLike[str]], stem: str, meta: Any, rows: Any, table: str) -> List[pathlib.Path]:
+    r"""Write a benchmark script's results: ``stem``.json (``meta`` and ``rows``) and ``stem``.md (``table``), into
+    out_dir (made if missing); print the table and return the two paths.
+
+    .. math::
+
+        (\mathrm{meta}, \mathrm{rows}, \mathrm{table}) \mapsto (	exttt{stem.json}, 	exttt{stem.md})
+
+    Example:
+        >>> import tempfile
+        >>> from mixedad.benchmark import write_table
+        >>> paths = write_table(tempfile.mkdtemp(), "demo_cpu", "1 run", [{"x": 1}], "| x |\n|---|\n| 1 |")
+        | x |
+        |---|
+        | 1 |
+        >>> [p.name for p in paths]
+        ['demo_cpu.json', 'demo_cpu.md']
+    """
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    paths[1].write_text(table + "\n")
+    print(table)
     return paths
 
 

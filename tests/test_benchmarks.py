@@ -235,3 +235,17 @@ def test_jax_compare_says_what_it_needs_or_runs_at_a_tiny_size(tmp_path, capsys)
     rows = json.loads((tmp_path / "jax_compare_cpu.json").read_text())["rows"]
     assert [r["generator"] for r in rows] == ["dcgan (eval)", "dcgan (train)"]
     assert all(r["difference"]["G(z)"] < 1e-4 and r["difference"]["mixed"] < 1e-4 for r in rows)
+
+
+def test_float32_kinks_runs_at_a_tiny_size_and_the_default_takes_the_per_op_pass_kinks(tmp_path):
+    """The default's programs compute G's primal as G does: not one draw apart from the per-op pass."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from float32_kinks import main
+    finally:
+        sys.path.remove(str(BENCH))
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "float32_kinks_cpu.json").read_text())["rows"]
+    assert set(rows) == {"per-op pass", "default", "compile=True"}
+    assert max(rows["default"]["per-op"]) <= 1e-6 and all(len(r["float64"]) == 3 for r in rows.values())
+    assert "| default | 0 |" in (tmp_path / "float32_kinks_cpu.md").read_text()

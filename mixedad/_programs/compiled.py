@@ -10,10 +10,7 @@ Per G and per key (:mod:`mixedad._programs.key`), the first call that takes a pr
    compares every output and every tangent (G's state then ends as the per-op pass left it). A
    compiler that drops or changes a tangent (PyTorch's inductor has: pytorch#187284, #192985), or
    a program of mixedad's that differs, fails this check: the key takes the per-op pass from then
-   on, with a warning. A default's program whose primal is not G's own calls (a batch norm folded into
-   a convolution, channels-last activations) that fails it is first written and checked once more as
-   G's own calls, which take every ReLU kink on the per-op pass's side. The call returns the per-op
-   pass's numbers.
+   on, with a warning. The call returns the per-op pass's numbers.
 
 Later calls with the key run the program alone. A compile or run that raises falls back to the
 per-op pass with a warning too. :func:`push_compiled` takes a program from a key's first call;
@@ -50,20 +47,12 @@ __all__ = ["CompiledTangent", "compiled_tangents", "per_op_pass", "push_compiled
 #: program 4.5e-3, 2.5e-3 apart. A dropped tangent differs by 1, a dropped term by its share.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-2}
 _REDUCED = 1e-1
-#: The same for the default's programs, which run the per-op pass's kernels without a compiler: only the
-#: order of a few operations differs (the batch-norm scale in the weight, channels-last activations), so the bound is
-#: round-off. Tight on purpose, so that a tangent 0.5% off fails: in float32 a ReLU input within round-off of zero
-#: can then fail it too, taking the other side of the kink in the two passes (one element of 32768 moved the zoo's
-#: eval DCGAN with 8 extra blocks by 4.2e-3; on CUDA without TF32, eval DCGANs lay 1.7e-3 to 2.5e-3 apart). Such a
-#: program is checked once more as G's own calls (:func:`_exact_program`), which take every kink as the per-op pass
-#: does, and kept where that one passes. In bfloat16 and float16 round-off is large: on the zoo's DCGAN the per-op
-#: pass itself lies 7% to 8% (bfloat16) and 3% (float16) from float64.
+#: The same for the default's programs, which run the per-op pass's kernels without a compiler, with G's own calls
+#: for the primal (so every ReLU kink falls as in the per-op pass): only the order of a few operations in the
+#: tangent differs (the batch-norm scale in the convolution's weight, as the per-op rule folds it), so the bound is
+#: round-off, and tight on purpose, so that a tangent 0.5% off fails. In bfloat16 and float16 round-off is large:
+#: on the zoo's DCGAN the per-op pass itself lies 7% to 8% (bfloat16) and 3% (float16) from float64.
 EAGER_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
-#: Above this difference (and the tolerance), by dtype, a folded or channels-last program that G's own calls replace
-#: is reported as mixedad's bug. In float32 a kink taken on the other side moved eval DCGANs by up to 1.5e-2 (the
-#: per-op pass itself lay up to 6.9e-3 from float64 on the benchmark's DCGAN, in 5 draws of 30); in float64 a kink
-#: within round-off is rare enough that any failure is reported; in bfloat16 and float16 none is.
-ROUND_OFF_FOLD = {torch.float64: 0.0, torch.float32: 5e-2}
 _EAGER_REDUCED = 1e-1
 #: Outputs and tangents whose root mean square lies below this many epsilons of the inputs' are
 #: round-off (zero in exact arithmetic), compared by that bound and not relative to themselves;
@@ -301,10 +290,8 @@ def push_program(call, G, zs, vs, eager_push):
     layouts, and every call of any other G: nothing is written for a G called once. The second call writes the program, runs it
     and the per-op pass from the same state and compares them (as ``compile=True`` does); from then
     on the program runs alone, with no per-op dispatch. G's refusals are silent: the per-op pass is
-    mixedad's own path, not a fallback. A program that folds batch norms or runs channels-last and differs from
-    the per-op pass, or raises, is replaced by the program of G's own calls where that one passes
-    (:func:`_exact_program`); any other program that differs or raises is dropped with a warning (mixedad's own
-    error, to report).
+    mixedad's own path, not a fallback. A program that differs from the per-op pass, or raises, is
+    dropped with a warning (mixedad's own error, to report).
     """
     if type(G) is not nn.Sequential or getattr(_SWITCHES, "per_op", None) or \
             _refusal(G, zs, vs, observers=True) is not None:
@@ -417,86 +404,39 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
               f"{f' and {batch} tangents' if batch else ''} (once per G, shapes and dtypes) ...", file=sys.stderr,
               flush=True)
     start = time.perf_counter()
-    failure = None
     try:
         run = _compile(entry, batch, len(zs)) if compile else _program_fn(entry, batch, len(zs))
         with torch.no_grad():
             primals, tangents = run(*zs, *vs)
     except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
-        if compile or program.own_primal:
-            _fall_back(call, G, entry, _blame(entry, batch, zs, vs, error, before) if compile else
-                       f"mixedad's tangent program fails on these inputs ({_first_line(error)}); please report it "
-                       f"with G's code")
-            after.restore()
-            return g_leaves, tangent_leaves, spec
-        failure = f"fails on these inputs ({_first_line(error)})"
+        _fall_back(call, G, entry, _blame(entry, batch, zs, vs, error, before) if compile else
+                   f"mixedad's tangent program fails on these inputs ({_first_line(error)}); please report it "
+                   f"with G's code")
+        after.restore()
+        return g_leaves, tangent_leaves, spec
     if compile:
         entry.compile_seconds = time.perf_counter() - start
     after.restore()
-    difference = float("inf") if failure else max(_differs(list(primals), g_leaves, zs),
-                                                   _differs(list(tangents), tangent_leaves, vs))
+    difference = max(_differs(list(primals), g_leaves, zs), _differs(list(tangents), tangent_leaves, vs))
     entry.difference = difference
     tolerance = TOLERANCE.get(zs[0].dtype, _REDUCED) if compile else EAGER_TOLERANCE.get(zs[0].dtype, _EAGER_REDUCED)
-    failure = failure or (f"differs from mixedad's per-op pass (largest relative difference {difference:.3g}, "
-                          f"tolerance {tolerance:g})")
-    also = ""
-    if not difference <= tolerance and not compile and not program.own_primal:
-        exact, exact_difference, exact_failure = _exact_program(G, zs, vs, g_leaves, tangent_leaves, before, after)
-        if exact_difference <= tolerance:
-            _report_fold(call, G, zs[0].dtype, difference, tolerance, failure)
-            entry.program, entry.difference = exact, exact_difference
-            run, difference = _program_fn(entry, batch, len(zs)), exact_difference
-        else:
-            also = f"; the program of G's own layer calls {exact_failure}"
     if not difference <= tolerance:
         if compile:
             own = _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after)
             culprit = ("mixedad's tangent program itself differs, run without the compiler (relative difference "
                        f"{own:.3g}); please report it with G's code" if not own <= tolerance else "a compiler bug")
-            reason = (f"the compiled tangent program differs from the eager pass (largest relative difference "
-                      f"{difference:.3g}, tolerance {tolerance:g}): {culprit}")
+            what = "compiled tangent program differs from the eager pass"
         else:
-            reason = f"the tangent program {failure}{also}: mixedad's program is wrong here; please report it with G's code"
-        _fall_back(call, G, entry, reason)
+            culprit = "mixedad's program is wrong here; please report it with G's code"
+            what = "tangent program differs from mixedad's per-op pass"
+        _fall_back(call, G, entry, f"the {what} (largest relative difference {difference:.3g}, tolerance "
+                                   f"{tolerance:g}): {culprit}")
     else:
         entry.status, entry.run = "compiled", run
         if compile:
             print(f"mixedad: compiled in {entry.compile_seconds:.1f} s; matches the eager pass (largest relative "
                   f"difference {difference:.1e}).", file=sys.stderr, flush=True)
     return g_leaves, tangent_leaves, spec
-
-
-def _exact_program(G, zs, vs, g_leaves, tangent_leaves, before, after):
-    """``(program, difference, failure)``: G's program whose primal is G's own calls in G's layouts
-    (:attr:`~mixedad._programs.program.Program.own_primal`), run from the state ``before`` and compared with the
-    per-op pass's numbers, and what went wrong, in words (program None and difference inf where it raised). Where a
-    program that folds batch norms or relays activations out fails the check by round-off (a ReLU input within
-    round-off of zero on the other side of its kink, or TF32 convolutions of a folded weight), this one takes every
-    kink as the per-op pass and double backward do: on the zoo's ill-conditioned DCGAN it equals the per-op pass
-    bit for bit."""
-    try:
-        program = write(G, zs, trace_code=False, exact_primal=True)
-        before.restore()
-        with torch.no_grad():
-            primals, tangents = program.module(*zs, *vs)
-    except Exception as error:  # noqa: BLE001 - no such program: the check's verdict on the first stands
-        return None, float("inf"), f"fails too ({_first_line(error)})"
-    finally:
-        after.restore()
-    difference = max(_differs(list(primals), g_leaves, zs), _differs(list(tangents), tangent_leaves, vs))
-    return program, difference, f"differs too ({difference:.3g})"
-
-
-def _report_fold(call, G, dtype, difference, tolerance, failure):
-    """Warn where a folded or channels-last program that G's own calls replace raised, or differed by more than a
-    kink taken on the other side can move a tangent in ``dtype`` (:data:`ROUND_OFF_FOLD`): a rule of the fold or the
-    layout is wrong, and that is mixedad's bug (the numbers, the per-op pass's and then G's own calls', are right).
-    ``failure``: what the program did, in words."""
-    if difference > max(ROUND_OFF_FOLD.get(dtype, float("inf")), tolerance):
-        warn_once(("fold differs", id(G), call), (
-            f"mixedad: {call}: the tangent program of {type(G).__name__} that folds batch norms into convolutions or "
-            f"runs them channels-last {failure}; G runs the program of its own layer calls, which matches the per-op "
-            f"pass. Please report it with G's code."))
 
 
 def _first_line(error):

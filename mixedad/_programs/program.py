@@ -21,15 +21,10 @@ __all__ = ["Program", "write"]
 
 
 class Program:
-    """A written tangent program: ``module(*zs, *vs) -> (primals, tangents)`` and G's output spec.
+    """A written tangent program: ``module(*zs, *vs) -> (primals, tangents)`` and G's output spec."""
 
-    ``own_primal``: whether the program computes G's primal by G's own calls, op for op, in G's layouts
-    (no batch norm folded into a convolution, no channels-last activations), so that the primal is a plain
-    forward's, bit for bit, and a ReLU input within round-off of zero takes the side of the kink a plain
-    forward (and double backward) takes."""
-
-    def __init__(self, module, spec, n_inputs, own_primal=True):
-        self.module, self.spec, self.n_inputs, self.own_primal = module, spec, n_inputs, own_primal
+    def __init__(self, module, spec, n_inputs):
+        self.module, self.spec, self.n_inputs = module, spec, n_inputs
 
     def __call__(self, *args):
         return self.module(*args)
@@ -45,15 +40,12 @@ def _has_tangent(node):
 
 class _Builder:
     """Writes a program node by node. ``eager``: the program runs without a compiler (a chain's), so its rules may
-    save passes and tensors a compiler would save by itself (a batch norm folded into the convolution before it,
-    activations in place). ``exact_primal``: no rule may change G's primal by round-off (asked for, or a layer
-    updates buffers from it in training mode: running statistics stay a plain forward's, bit for bit);
-    ``primal_changed``: a rule did."""
+    save passes and tensors a compiler would save by itself (activations in place). No rule changes G's primal:
+    it is G's own calls, so a ReLU input within round-off of zero takes the side of its kink a plain forward (and
+    double backward) takes, and running statistics stay a plain forward's, bit for bit."""
 
-    def __init__(self, traced, eager=False, exact_primal=False):
+    def __init__(self, traced, eager=False):
         self.traced, self.eager = traced, eager
-        self.exact_primal = exact_primal or any(m.training and m._buffers for m in traced.modules())
-        self.primal_changed = False
         self.graph = fx.Graph()
         self.primal, self.tangent = {}, {}
         self._tuples = set()
@@ -139,18 +131,16 @@ class _Builder:
             self.tangent[node] = tangent
 
 
-def write(G, zs, *, trace_code=True, exact_primal=False):
+def write(G, zs, *, trace_code=True):
     """G's tangent :class:`Program` for inputs shaped as the tensors ``zs``, or raise :class:`Unsupported`.
 
     With ``trace_code`` G's forward is traced (:func:`~mixedad._programs.trace.trace`: the user's modules
     are traced through); without, G must be an ``nn.Sequential`` chain of ``torch.nn`` layers
     (:func:`~mixedad._programs.trace.chain`), whose graph is written without running any code of G's.
-    With ``exact_primal`` the primal is G's own calls in G's layouts (:attr:`Program.own_primal`): no batch norm
-    folded into a convolution's primal, no channels-last activations.
     """
     n_inputs = len(zs)
-    traced = trace(G, zs) if trace_code else chain(G, zs, exact_primal)
-    builder = _Builder(traced, eager=not trace_code, exact_primal=exact_primal)
+    traced = trace(G, zs) if trace_code else chain(G, zs)
+    builder = _Builder(traced, eager=not trace_code)
     graph = builder.graph
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     if len(placeholders) < n_inputs or any(not n.args for n in placeholders[n_inputs:]):
@@ -186,5 +176,4 @@ def write(G, zs, *, trace_code=True, exact_primal=False):
             tangents.append(None)
     graph.output((tuple(primals), tuple(tangents)))
     builder.drop_unused()
-    relaid = any(n.op == "call_function" and n.target is T.channels_last for n in traced.graph.nodes)
-    return Program(fx.GraphModule(traced, graph), spec, n_inputs, own_primal=not (relaid or builder.primal_changed))
+    return Program(fx.GraphModule(traced, graph), spec, n_inputs)

@@ -160,23 +160,7 @@ def _fold_into_conv(e, t):
     if conv_node.meta.get(NDIM) != conv.weight.dim():  # unbatched: channels first, not where the norm reads them
         return None
     e.builder.drop_if_unused(t)
-    if e.builder.eager and _one_layer(e, conv, conv_node):  # the primal too, from the conv's input
-        conv_module, bn_module = t.args[0], e.module_node()
-        folded = e.call(T.folded_layer, conv_module, bn_module, t.args[1])
-        e.builder.drop_if_unused(e.builder.primal[conv_node])
-        e.builder.primal_changed = True
-        e.replace_primal(e.call(T.conv_folded, conv_module, bn_module, e.builder.primal[conv_node.args[0]], folded))
-        return e.call(T.conv_folded_tangent, conv_module, bn_module, t.args[1], folded)
     return e.call(T.conv_batch_norm_eval, t.args[0], e.module_node(), t.args[1])
-
-
-def _one_layer(e, conv, conv_node):
-    """Whether an eval batch norm and the convolution before it may run as one convolution in the program: no layer
-    updates buffers from the primal (which the fold changes by round-off), the convolution's output feeds the batch
-    norm alone, both are called on one input, neither replaces its forward."""
-    return (not e.builder.exact_primal and len(conv_node.users) == 1 and len(conv_node.args) == 1
-            and not conv_node.kwargs and len(e.node.args) == 1 and not e.node.kwargs and "forward" not in vars(conv)
-            and "forward" not in vars(e.module))
 
 
 def _instance_norm_module(e):
@@ -523,7 +507,6 @@ FUNCTIONS.update({
     F.elu: _pointwise_function(T.elu, (("alpha", 1.0),)),
     F.softplus: _pointwise_function(T.softplus, (("beta", 1.0), ("threshold", 20.0))),
     F.hardtanh: _pointwise_function(T.hardtanh, (("min_val", -1.0), ("max_val", 1.0))),
-    T.channels_last: lambda e: e.same_op_on_tangent(), T.strided_as: lambda e: e.same_op_on_tangent(),
     torch.exp: _pointwise_function(T.exp, ()), torch.sqrt: _pointwise_function(T.sqrt, ()),
     torch.rsqrt: _pointwise_function(T.rsqrt, ()), torch.abs: _pointwise_function(T.absolute, ()),
 })

@@ -35,14 +35,14 @@ def linear(t, weight):
     return _linear_tangent(t, weight)
 
 
-def conv(m, t, weight=None, bias=None):
+def conv(m, t, weight=None):
     """A frozen (transposed) convolution module's tangent: the module's convolution of ``t``, no bias
-    (with ``weight`` in place of the module's, and ``bias``, if given)."""
+    (with ``weight`` in place of the module's, if given)."""
     weight = m.weight if weight is None else weight
     transpose = _CONV_TRANSPOSE.get(type(m))
     if transpose is not None:
-        return transpose(t, weight, bias, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
-    return m._conv_forward(t, weight, bias)
+        return transpose(t, weight, None, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
+    return m._conv_forward(t, weight, None)
 
 
 def conv_batch_norm_eval(m, bn, t):
@@ -61,34 +61,6 @@ def conv_batch_norm_eval(m, bn, t):
     if weight is None:
         return batch_norm_eval(bn, conv(m, t))
     return conv(m, t, weight)
-
-
-def folded_layer(m, bn, t):
-    r"""An eval batch norm ``bn`` and the convolution ``m`` before it as one convolution, ``(weight, bias)``, or None
-    where the scaled weight would be the larger copy, or under a compiler (which fuses the batch norm into the
-    element-wise kernel after the convolution by itself):
-
-    .. math::
-
-        \operatorname{bn}(\operatorname{conv}(x, W) + b) = \operatorname{conv}(x, W s, (b - \mu) s + \beta),
-        \qquad \dot y = \operatorname{conv}(\dot x, W s)
-
-    A program takes the primal (:func:`conv_folded`) and the tangent (:func:`conv_folded_tangent`) from it in
-    two calls, so that the primal's input is let go before the tangent's convolution: one scaled weight serves
-    both, and the primal skips the batch norm's pass and its tensor (and differs from ``bn(m(x))`` by
-    round-off). For programs run eagerly, see :func:`mixedad.op_rules._frozen_layers.folded_weight`."""
-    return None if torch.compiler.is_compiling() else folded_weight(m, bn, t, with_bias=True)
-
-
-def conv_folded(m, bn, x, folded):
-    """The primal ``bn(m(x))``: one convolution with the ``folded`` layer, or the two layers as they are."""
-    return bn(m(x)) if folded is None else conv(m, x, *folded)
-
-
-def conv_folded_tangent(m, bn, t, folded):
-    """The tangent of ``bn(m(x))`` along ``t``: one convolution with the ``folded`` weight, or the convolution then
-    the scale."""
-    return batch_norm_eval(bn, conv(m, t)) if folded is None else conv(m, t, folded[0])
 
 
 def batch_norm_eval(m, t):
@@ -161,29 +133,6 @@ def attention(q, k, v, dq, dk, dv, attn_mask, is_causal, scale, enable_gqa):
     (:func:`mixedad.op_rules._attention.attention`), the user's kernel being SDPA itself."""
     options = {"attn_mask": attn_mask, "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
     return attention_rule(lambda: F.scaled_dot_product_attention(q, k, v, **options), q, k, v, dq, dk, dv, **options)
-
-
-def relays_out(dim, dtype, device):
-    """Whether :func:`channels_last` moves a tensor of this many dimensions, dtype and device (not already
-    channels-last): a 4-d float32 tensor on the CPU, oneDNN on, where a 2-d convolution runs faster so."""
-    return dim == 4 and dtype == torch.float32 and torch.device(device).type == "cpu" and torch.backends.mkldnn.enabled
-
-
-def channels_last(x):
-    """``x`` in the channels-last layout where a 2-d convolution runs faster so (:func:`relays_out`); else ``x``
-    itself. Linear and the identity in value: a program puts it before the convolutions of a chain
-    (:func:`mixedad._programs.trace.chain`), on the primal and the tangent alike."""
-    if relays_out(x.dim(), x.dtype, x.device) and not x.is_contiguous(memory_format=torch.channels_last):
-        return x.contiguous(memory_format=torch.channels_last)
-    return x
-
-
-def strided_as(x, stride):
-    """``x`` with the strides ``stride`` (those a plain forward gives G's output), copied only where they differ:
-    a chain's program hands f the layout G gives it, whatever layout its convolutions ran in."""
-    if x.stride() == tuple(stride):
-        return x
-    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def relu_in_place(x, params):
@@ -371,5 +320,5 @@ IN_PLACE = {relu: (relu_in_place, relu_tangent_in_place), tanh: (tanh_in_place, 
             sigmoid: (sigmoid_in_place, sigmoid_tangent_in_place),
             leaky_relu: (leaky_relu_in_place, leaky_relu_tangent_in_place)}
 #: Tangent functions whose result is a tensor of their own, never a view of their input or the input itself.
-FRESH = frozenset({conv, conv_batch_norm_eval, conv_folded_tangent, batch_norm_eval, linear, relu, leaky_relu, tanh, sigmoid, gelu, silu,
+FRESH = frozenset({conv, conv_batch_norm_eval, batch_norm_eval, linear, relu, leaky_relu, tanh, sigmoid, gelu, silu,
                    elu, softplus, hardtanh, *(pair[1] for pair in IN_PLACE.values())})

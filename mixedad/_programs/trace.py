@@ -31,7 +31,6 @@ from mixedad._frontend.state import plain_attributes
 from mixedad._hooks.meta_trace import DTYPE, NDIM, MetaTrace, forward_on_meta, inside_function_apply
 from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.sequential import forward_hooks
-from mixedad._programs.tangents import channels_last, relays_out, strided_as
 
 __all__ = ["Unsupported", "chain", "trace"]
 
@@ -186,14 +185,9 @@ def trace(G, zs):
                     delattr(m, name)
 
 
-def chain(G, zs, exact_primal=False):
+def chain(G, zs):
     """G's graph without a trace, where G is an ``nn.Sequential`` (nested ones flattened) of ``torch.nn`` layers that
     have program rules, each called on the output of the one before.
-
-    Before each 2-d convolution the activation goes channels-last
-    (:func:`mixedad._programs.tangents.channels_last`: float32 on the CPU, where oneDNN's convolutions run
-    faster so), unless ``exact_primal`` or a layer of G updates buffers in training mode: G's output then
-    differs from a plain forward's by round-off, as another kernel's would, and so does its tangent.
 
     What such a G computes is its layers' own code with their attributes, all of which the key sees: no
     code of the user's runs (no globals read, no side effects, no proxies left behind) and ``torch.fx``
@@ -222,31 +216,16 @@ def chain(G, zs, exact_primal=False):
                 raise Unsupported(f"layer {prefix}{name} is {no_rule(child)}")
 
     flatten(G, "")
-    # Channels-last activations before the 2-d convolutions, where no layer updates buffers from them (a train-mode
-    # batch norm's running statistics would differ from a plain forward's by round-off).
-    relayout = not exact_primal and not any(layer.training and layer._buffers for _, layer in layers)
     graph = fx.Graph()
     x = graph.placeholder("z")
     z = zs[0]
     meta = torch.empty_strided(z.shape, z.stride(), dtype=z.dtype, device="meta")
-    relaid = False
     for name, layer in layers:
-        if relayout and type(layer) in (nn.Conv2d, nn.ConvTranspose2d) and (
-                meta is None or relays_out(meta.dim(), meta.dtype, z.device)):  # only where it moves the activation
-            relaid = True
-            x = graph.call_function(channels_last, (x,))
-            if meta is not None:
-                x.meta[DTYPE], x.meta[NDIM] = meta.dtype, meta.dim()
         x = graph.call_module(name, (x,))
         meta = None if meta is None else forward_on_meta(layer, (meta,))
         if isinstance(meta, torch.Tensor):
             x.meta[DTYPE], x.meta[NDIM] = meta.dtype, meta.dim()
         else:
             meta = None
-    if relaid:
-        if meta is None:  # the layout a plain forward gives is not known: no channels-last program
-            raise Unsupported("the output layout of G's plain forward is not known on meta tensors")
-        x = graph.call_function(strided_as, (x, meta.stride()))  # f sees the layout a plain forward gives
-        x.meta[DTYPE], x.meta[NDIM] = meta.dtype, meta.dim()
     graph.output(x)
     return fx.GraphModule(G, graph)

@@ -174,10 +174,6 @@ _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 #: (its inverse) of the input's tangent, so that it never sets a pass's peak memory (a latent-to-map
 #: layer, or a wide layer at a small batch, keeps the scaling pass instead).
 FOLD_RATIO = 16
-#: The same for a convolution and eval batch norm run as one layer, primal and tangent (mixedad's eager tangent
-#: programs): there the scaled weight replaces two tensors of the layer's output, the batch norm's and the scaled
-#: tangent, so it is taken up to half the input's tangent.
-PAIR_FOLD_RATIO = 2
 _FOLD = threading.local()  # pending: weak references to the last folded tangent and its BatchNorm's running_var
 
 
@@ -224,25 +220,17 @@ def _fold(op):
     return None if weight is None else (weight, bn)
 
 
-def _channels_last(t):
-    """Whether a 4-d tensor lies channels-last in memory (and not also contiguous: one pixel, one channel)."""
-    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-
-
-def folded_weight(conv, bn, x_tangent, *, with_bias=False):
+def folded_weight(conv, bn, x_tangent):
     r"""``conv``'s weight times eval ``bn``'s scale per output channel (``conv`` an exact ``nn.Conv*`` or
     ``nn.ConvTranspose*`` of one group), or None: where the two do not match (channels, dtype), or where
     the copy would cost more memory than the scaling pass over ``x_tangent`` it saves (:data:`FOLD_RATIO`).
 
-    With ``with_bias``, ``(weight, bias)``: the two layers as one convolution, primal and tangent (where the weight
-    is at most 1/:data:`PAIR_FOLD_RATIO` of ``x_tangent``, in float32 and float64),
-
     .. math::
 
-        \operatorname{bn}(\operatorname{conv}(x, W) + b) = \operatorname{conv}\big(x,\ W s,\ (b - \mu) s + \beta\big),
+        \operatorname{bn}(\operatorname{conv}(\dot x, W)) \text{'s tangent} = \operatorname{conv}(\dot x,\ W s),
         \qquad s = \gamma / \sqrt{\sigma^2_{\text{running}} + \epsilon}
     """
-    if conv.weight.numel() * (PAIR_FOLD_RATIO if with_bias else FOLD_RATIO) > x_tangent.numel():
+    if conv.weight.numel() * FOLD_RATIO > x_tangent.numel():
         return None
     dim = _CONVOLUTIONS[type(conv)]
     scale = _eval_scale(bn.running_var, bn.weight, bn.eps)
@@ -250,18 +238,7 @@ def folded_weight(conv, bn, x_tangent, *, with_bias=False):
         return None
     shape = [1] * conv.weight.dim()
     shape[dim] = -1
-    if not with_bias:
-        return conv.weight * scale.reshape(shape)
-    if scale.dtype not in (torch.float32, torch.float64):  # bfloat16, float16: a scaled weight loses the digits
-        return None  # the batch norm's kernel keeps (it computes in float32): up to 10x the error, measured
-    weight = conv.weight * scale.reshape(shape) if torch.is_grad_enabled() else torch.mul(
-        # in the layout the convolution reads it in: channels-last for channels-last activations (no reorder there)
-        conv.weight, scale.reshape(shape), out=torch.empty_like(
-            conv.weight, memory_format=torch.channels_last if _channels_last(x_tangent) else torch.contiguous_format))
-    if bn.running_mean.dtype != scale.dtype or (conv.bias is not None and conv.bias.dtype != scale.dtype):
-        return None
-    bias = (bn.running_mean if conv.bias is None else bn.running_mean - conv.bias) * -scale
-    return weight, (bias if bn.bias is None else bias.add_(bn.bias))
+    return conv.weight * scale.reshape(shape)
 
 
 def _folded_into(x_tangent, bound):
