@@ -8,8 +8,8 @@ per-op pass on a float64 copy of G:
 - ``per-op pass``: inside ``mixedad.per_op_pass()`` (G's primal as a plain forward computes it, so
   every ReLU kink on double backward's side);
 - ``default``: ``mixed_grad`` from its third call, G's tangent program (written and checked on the
-  first draw; batch norms folded into the convolutions, channels-last activations, or G's own calls
-  where the folded program failed that check);
+  first draw; G's own calls for the primal, the batch norms' scale folded into the tangent's
+  convolutions);
 - ``compile=True``: the compiled program (compiled and checked on the first draw).
 
 Counts of draws more than 1e-3 apart, the largest and the median difference. The docs'

@@ -412,7 +412,7 @@ def write_table(out_dir: Union[str, os.PathLike[str]], stem: str, meta: Any, row
 
     .. math::
 
-        (\mathrm{meta}, \mathrm{rows}, \mathrm{table}) \mapsto (	exttt{stem.json}, 	exttt{stem.md})
+        (\mathrm{meta}, \mathrm{rows}, \mathrm{table}) \mapsto (\texttt{stem.json}, \texttt{stem.md})
 
     Example:
         >>> import tempfile
