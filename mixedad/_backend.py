@@ -16,7 +16,8 @@ from torch.func import grad, jvp
 
 from mixedad import _checks
 from mixedad._frontend.grad_mode import as_in_a_plain_call
-from mixedad._frontend.state import RngState
+from mixedad._frontend.inputs import writable
+from mixedad._frontend.random_state import undone
 from mixedad._entry import frozen
 from mixedad._hooks.function_apply import routing
 from mixedad.op_rules._custom_functions import CheckpointsRunDirectly
@@ -120,18 +121,14 @@ def f_cotangent(call, f, y_leaves, y_spec, *, create_graph=False):
                 f"y through f's gradient, and create_graph=True would miss that part. Use "
                 f"create_graph=False, or mixedad.reference.double_backward_mixed_grad."
             )
-        rng = RngState()
-        try:
-            with torch.enable_grad():
-                g_in, g_work, index = graph_inputs(g_leaves)
-                y_tree = tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec)
-                out = f(y_tree, tree_unflatten(g_in, g_spec))
-                _checks.check_scalar_output(call, out)
-                out = out.reshape(())
-                grads = (torch.autograd.grad(out, g_work, allow_unused=True) if out.requires_grad and g_work
-                         else [None] * len(g_work))
-        finally:
-            rng.restore()
+        with undone(), torch.enable_grad():
+            g_in, g_work, index = graph_inputs(g_leaves)
+            y_tree = tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec)
+            out = f(y_tree, tree_unflatten(g_in, g_spec))
+            _checks.check_scalar_output(call, out)
+            out = out.reshape(())
+            grads = (torch.autograd.grad(out, g_work, allow_unused=True) if out.requires_grad and g_work
+                     else [None] * len(g_work))
         result = [None] * len(g_leaves)
         for i, g, w in zip(index, grads, g_work):
             result[i] = torch.zeros_like(w) if g is None else g
@@ -152,7 +149,7 @@ def gradient_chunk(call, f, G, z_chunks, y_leaves, y_spec):
     with torch.enable_grad(), MathBackendWhereFusedDiffers(), routing(CheckpointsRunDirectly()):
         z_work = [zc.detach().requires_grad_() for zc in z_chunks]
         with as_in_a_plain_call():  # and grad mode back on after G, even if G leaves it off
-            g_leaves, g_spec = tree_flatten(frozen(G)(*z_work))
+            g_leaves, g_spec = tree_flatten(frozen(G)(*writable(z_work)))
         g_in, g_work, index = graph_inputs(g_leaves)
         y_work = [leaf.detach().requires_grad_() for leaf in y_leaves]
         out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
@@ -163,9 +160,15 @@ def gradient_chunk(call, f, G, z_chunks, y_leaves, y_spec):
         pairs = [(g_leaves[i], d) for i, d in zip(index, df_dg) if d is not None and g_leaves[i].requires_grad]
         grads = [None] * len(z_work)
         if pairs:
-            grads = torch.autograd.grad(
-                [g for g, _ in pairs], z_work, grad_outputs=[d for _, d in pairs], allow_unused=True
-            )
+            try:
+                grads = torch.autograd.grad(
+                    [g for g, _ in pairs], z_work, grad_outputs=[d for _, d in pairs], allow_unused=True
+                )
+            except RuntimeError as error:  # G's own backward fails: double backward would fail there too
+                text = str(error).strip()
+                raise RuntimeError(f"{call}: G's backward raised {type(error).__name__}"
+                                   f"{': ' + text.splitlines()[0] if text else ''}. The gradient in z needs G's "
+                                   f"reverse pass, which double backward runs too.") from error
     pieces = [torch.zeros_like(zc) if d is None else d for d, zc in zip(grads, z_chunks)]
     return pieces, ([leaf.detach() if differentiable(leaf) else leaf for leaf in g_leaves], g_spec,
                     out.detach().reshape(()))
@@ -184,13 +187,9 @@ def check_sum_over_codes(call, f, y_leaves, y_spec, first, second):
     (g1, spec, f1), (g2, _, f2) = first, second
     if any(not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[1:] != b.shape[1:] for a, b in zip(g1, g2)):
         return
-    rng = RngState()
-    try:
-        with torch.no_grad():
-            joined = f(tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec),
-                       tree_unflatten([torch.cat([a, b]) for a, b in zip(g1, g2)], spec)).reshape(())
-    finally:
-        rng.restore()
+    with undone(), torch.no_grad():
+        joined = f(tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec),
+                   tree_unflatten([torch.cat([a, b]) for a, b in zip(g1, g2)], spec)).reshape(())
     total = f1 + f2
     tolerance = {torch.float64: 1e-10, torch.float32: 1e-5}.get(total.dtype, 1e-2)
     scale = max(f1.abs().item() + f2.abs().item(), torch.finfo(torch.float64).tiny)

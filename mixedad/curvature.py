@@ -19,7 +19,9 @@ from mixedad import _checks
 from mixedad._curvature.cg import CurvatureError, conjugate_gradient
 from mixedad._curvature.segments import Chain, f_derivatives, push, split
 from mixedad._entry import eager, frozen, public_call
-from mixedad._frontend.state import RngState, Snapshot
+from mixedad._frontend.random_state import RandomState
+from mixedad._frontend.inputs import writable
+from mixedad._frontend.state import Snapshot
 from mixedad._hooks.attention_backends import differentiable_attention
 from mixedad._hooks.pytree import differentiable, tree_flatten, tree_unflatten
 
@@ -110,7 +112,7 @@ class ZCurvature:
         # G runs on copies of its buffers: the kept graph saves them (BatchNorm saves its running statistics), and
         # the user's own buffers, restored in place afterwards, must not be the tensors it saved.
         with self._snapshot.private_buffers(), torch.enable_grad(), differentiable_attention():
-            out = tree_flatten(frozen(self._G)(*z_work))[0]
+            out = tree_flatten(frozen(self._G)(*writable(z_work)))[0]
             if self.kind == "ggn":
                 return z_work, [o if differentiable(o) and o.requires_grad else None for o in out]
             g_in = [o for o in out]
@@ -133,7 +135,7 @@ class ZCurvature:
 
     def _products(self, us):
         """:math:`(H + \\lambda I) u_j` for k tangents (each leaf with a leading k)."""
-        caller = RngState()
+        caller = RandomState()
         self._snapshot.rng.restore()  # G draws the random numbers it drew at construction
         try:
             with self._snapshot.watching():

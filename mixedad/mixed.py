@@ -6,7 +6,7 @@ from torch.func import vmap
 
 from mixedad import _checks
 from mixedad._entry import public_call
-from mixedad._hooks.pytree import tree_unflatten
+from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad.op_rules import UnderTransformError
 from mixedad._backend import contract_f_with_tangent, f_cotangent
 from mixedad._frontend.state import Snapshot
@@ -129,19 +129,36 @@ def _mixed_grad(call, f, G, z, y, v, create_graph, strategy, compile=False):
 
 
 def _rows(call, f, G, z, y, compile, basis):
-    """Rows of the mixed Jacobian along the tangents ``basis`` (leading dimension k), in one pass of G."""
+    """Rows of the mixed Jacobian along the tangents ``basis`` (one tensor per z, leading dimension k), in one
+    pass of G: one tensor per leaf of y, each with the leading k."""
     zs, y_leaves, y_spec, _ = _checks.mixed_args(call, f, G, z, y, None)
     check_not_nested(call)
     _checks.check_no_forward_tangents(call, [*zs, *y_leaves])
     _checks.check_devices(call, G, zs, y_leaves, y_spec)
-    g_leaves, tangents, g_spec = push_tangents(call, G, zs, [basis], compile=compile)
-    rows = contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangents, g_spec, create_graph=False,
+    g_leaves, tangents, g_spec = push_tangents(call, G, zs, list(basis), compile=compile)
+    return contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangents, g_spec, create_graph=False,
                                    batched=True)
-    return rows[0]
+
+
+def _basis(zs, start, stop):
+    """Basis vectors ``start`` to ``stop`` of z-space (the z's flattened and joined): one tensor per z, leading k."""
+    rows, offset = [], 0
+    k = stop - start
+    for zi in zs:
+        n = zi.numel()
+        block = torch.zeros(k, n, dtype=zi.dtype, device=zi.device)
+        lo, hi = max(start, offset), min(stop, offset + n)
+        if lo < hi:
+            index = torch.arange(lo, hi, device=zi.device)
+            block[index - start, index - offset] = 1.0
+        rows.append(block.reshape(k, *zi.shape))
+        offset += n
+    return rows
 
 
 @public_call
-def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: torch.Tensor, y: Any, *,
+def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[torch.Tensor, Sequence[torch.Tensor]],
+                   y: Any, *,
                    chunk_size: Optional[int] = None, strategy: str = "auto", compile: bool = False) -> Any:
     r"""The full mixed second derivative of f(y, G(z)) in z and y.
 
@@ -160,7 +177,8 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
     Memory: a batch of b tangents costs b times the tangent part of one mixed_grad call, plus
     the result, which holds ``z.numel() * y.numel()`` numbers. ``chunk_size`` bounds b (the
     default, None, pushes all ``z.numel()`` tangents at once). Peak memory does not grow with
-    G's depth.
+    G's depth. z and y may be what :func:`mixed_grad` takes: a tuple of z's (their entries counted
+    in order), and a pytree y.
 
     A G that a batch cannot take (what needs the whole-G fallback: gradient hooks,
     ``torch.autograd.grad`` inside G, a backward that is not linear; inference mode inside G;
@@ -179,15 +197,18 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
 
     Args:
         f, G: as for :func:`mixed_grad`.
-        z: floating-point tensor.
-        y: floating-point tensor (not a pytree).
+        z: floating-point tensor, or a tuple of them that G takes positionally (``G(*z)``).
+        y: floating-point tensor, or a tuple, list or dict (nested freely) of them, as for
+            :func:`mixed_grad`.
         chunk_size: keyword-only; None or the number of basis tangents per batch.
         strategy: keyword-only; as for :func:`mixed_grad`.
         compile: keyword-only; as for :func:`mixed_grad`. A batch of tangents runs ``torch.vmap``
             of G's tangent program over the tangents, compiled once per chunk size.
 
     Returns:
-        A tensor of shape ``z.shape + y.shape`` with y's dtype.
+        A tensor of shape ``z.shape + y.shape`` with y's dtype. For a pytree y, y's structure with
+        a tensor of shape ``z.shape + leaf.shape`` for each leaf; for a tuple z, a tuple with one
+        such result per ``z[i]`` (shapes ``z[i].shape + leaf.shape``).
 
     Example:
         >>> import torch, mixedad
@@ -197,19 +218,31 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
         torch.Size([3, 4, 3, 4])
     """
     call = "mixed_jacobian(f, G, z, y)"
-    _checks.check_float_tensor(call, "z", z)
-    _checks.mixed_args(call, f, G, z, y, None)
-    _checks.check_float_tensor(call, "y", y)
+    zs, y_leaves, y_spec, _ = _checks.mixed_args(call, f, G, z, y, None)
     _checks.check_strategy(call, strategy)
     _checks.check_compile(call, compile, strategy)
     G = eager(G)
-    n = z.numel()
+    as_tuple = isinstance(z, (tuple, list))
+    n = sum(zi.numel() for zi in zs)
     step = _checks.check_chunk_size(call, chunk_size) or n
+
+    def structured(per_leaf):  # rows (n, *leaf.shape) per leaf of y -> the result's structure
+        blocks, offset = [], 0
+        for zi in zs:
+            blocks.append(tree_unflatten([rows[offset:offset + zi.numel()].reshape(*zi.shape, *leaf.shape)
+                                          for rows, leaf in zip(per_leaf, y_leaves)], y_spec))
+            offset += zi.numel()
+        return tuple(blocks) if as_tuple else blocks[0]
+
     if n == 0:  # no rows
-        return torch.zeros(*z.shape, *y.shape, dtype=y.dtype, device=y.device)
+        return structured([leaf.new_zeros(0, *leaf.shape) for leaf in y_leaves])
     if strategy == "reverse" or in_functorch_transform():
         # inside the user's own transform (vmap over codes): torch.func batches the tangents
-        batched = vmap(lambda v: _mixed_grad(call, f, G, z, y, v, False, strategy), randomness="same")
+        def batched(basis):
+            v = tuple(basis) if as_tuple else basis[0]
+            return tree_flatten(_mixed_grad(call, f, G, z, y, v, False, strategy))[0]
+
+        batched = vmap(batched, randomness="same")
     else:
         batched = functools.partial(_rows, call, f, G, z, y, compile)
 
@@ -217,19 +250,17 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
 
     def one_by_one(basis):  # each tangent in its own pass, with mixedad's per-op rules
         rows = []
-        for v in basis:
+        for i in range(basis[0].shape[0]):
+            v = tuple(b[i] for b in basis) if as_tuple else basis[0][i]
             state.restore()
             with state.watching():
-                rows.append(_mixed_grad(call, f, G, z, y, v, False, strategy, compile))
-        return torch.stack(rows)
+                rows.append(tree_flatten(_mixed_grad(call, f, G, z, y, v, False, strategy, compile))[0])
+        return [torch.stack(leaf_rows) for leaf_rows in zip(*rows)]
 
     rows_of = batched
     rows = []
     for start in range(0, n, step):
-        index = torch.arange(start, min(start + step, n), device=z.device)
-        basis = torch.zeros(len(index), n, dtype=z.dtype, device=z.device)
-        basis[torch.arange(len(index), device=z.device), index] = 1.0
-        basis = basis.reshape(len(index), *z.shape)
+        basis = _basis(zs, start, min(start + step, n))
         state.restore()
         try:
             with state.watching():
@@ -245,4 +276,4 @@ def mixed_jacobian(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: tor
             rows_of = one_by_one  # G does what torch.func cannot batch: one pass per tangent
             batch = rows_of(basis)
         rows.append(batch)
-    return torch.cat(rows).reshape(*z.shape, *y.shape)
+    return structured([torch.cat(leaf_rows) for leaf_rows in zip(*rows)])

@@ -16,6 +16,7 @@ from mixedad._entry import eager
 from mixedad._frontend.batched import push_under_vmap
 from mixedad._frontend.tangents import push_tangent
 from mixedad._hooks.functorch import in_functorch_transform
+from mixedad._programs.compiled import runs_program
 
 __all__ = ["TangentReport", "tangent_report"]
 
@@ -30,6 +31,10 @@ class TangentReport:
     Attributes:
         rows: list of ``(op, path, reason, calls)``, ordered by path, then op.
         fallback: None, or why all of G took the whole-G fallback (memory grows with depth).
+        route: what :func:`mixedad.mixed_grad` runs for G at these inputs now: ``"per-op pass"`` (the
+            rows are its paths), or ``"tangent program"`` (an ``nn.Sequential`` of ``torch.nn``
+            layers called again with the same inputs' layouts runs a program checked against the per-op
+            pass, with mixedad's own rules: a G that meets a user's rule never does).
 
     Example:
         >>> import torch, mixedad
@@ -38,7 +43,8 @@ class TangentReport:
         ['torch.nn.functional.linear']
     """
 
-    def __init__(self, recorder: Any) -> None:
+    def __init__(self, recorder: Any, route: str = "per-op pass") -> None:
+        self.route = route
         order = {path: i for i, path in enumerate(PATHS)}
         self.rows = sorted(((op, path, reason, n) for (op, path, reason), n in recorder.counts.items()),
                            key=lambda row: (order[row[1]], row[0], row[2]))
@@ -66,10 +72,13 @@ class TangentReport:
         line = lambda r: "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
         summary = ("memory: flat in G's depth" if self.flat
                    else "memory: GROWS with G's depth (whole-G fallback)")
-        return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body), summary])
+        route = (f"route: {self.route}" if self.route == "per-op pass" else
+                 f"route: {self.route} (mixedad's own rules for G's layers; the rows are the per-op pass it was "
+                 f"checked against)")
+        return "\n".join([route, line(header), line(["-" * w for w in widths]), *map(line, body), summary])
 
     def __repr__(self) -> str:
-        return f"TangentReport({len(self.rows)} rows, fallback={self.fallback!r})"
+        return f"TangentReport({len(self.rows)} rows, fallback={self.fallback!r}, route={self.route!r})"
 
 
 @public_call
@@ -110,6 +119,7 @@ def tangent_report(G: Callable[..., Any], z: Union[torch.Tensor, Sequence[torch.
     _checks.check_strategy(call, strategy)
     G = eager(G)
     recorder = PathRecorder()
+    route = "tangent program" if strategy == "auto" and runs_program(G, zs, vs) else "per-op pass"
     undo = Snapshot(G, call=call)
     try:
         with undo.watching():
@@ -120,4 +130,4 @@ def tangent_report(G: Callable[..., Any], z: Union[torch.Tensor, Sequence[torch.
                 push_tangent(call, G, zs, vs, strategy=strategy, recorder=recorder)
     finally:
         undo.restore()
-    return TangentReport(recorder)
+    return TangentReport(recorder, route)

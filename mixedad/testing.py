@@ -148,6 +148,7 @@ def check_generator(G: Callable[..., Any], z: torch.Tensor, *, strategy: str = "
     from mixedad._checks import flatten_z
     from mixedad._hooks.function_apply import routing
     from mixedad.op_rules._custom_functions import CheckpointsRunDirectly
+    from mixedad._frontend.inputs import writable
     from mixedad._frontend.state import Snapshot
     from mixedad._entry import eager, frozen
     from mixedad._frontend.tangents import push_tangent
@@ -165,7 +166,7 @@ def check_generator(G: Callable[..., Any], z: torch.Tensor, *, strategy: str = "
               for g, t in zip(g_leaves, tangents)]
         with torch.enable_grad(), routing(CheckpointsRunDirectly()):
             z_work = [zi.detach().requires_grad_() for zi in zs]
-            outs, _ = tree_flatten(frozen(G)(*z_work))
+            outs, _ = tree_flatten(frozen(G)(*writable(z_work)))
             pairs = [(o, u) for o, u in zip(outs, us) if u is not None and o.requires_grad]
             pulled = torch.autograd.grad([o for o, _ in pairs], z_work, [u for _, u in pairs],
                                          allow_unused=True) if pairs else [None] * len(z_work)

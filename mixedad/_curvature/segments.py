@@ -35,7 +35,8 @@ from torch import nn
 
 from mixedad._entry import frozen
 from mixedad._frontend.batched import push_tangents
-from mixedad._frontend.state import RngState
+from mixedad._frontend import random_state
+from mixedad._frontend.inputs import writable
 from mixedad._frontend.tangents import push_tangent
 from mixedad._hooks.attention_backends import differentiable_attention
 from mixedad._hooks.dual_level import unpack
@@ -189,8 +190,9 @@ class Chain:
         states, self.rngs = [[z.detach() for z in zs]], []
         with torch.no_grad():
             for i, segment in enumerate(self.segments):
-                self.rngs.append(RngState())
-                out = segment(*states[-1])
+                self.rngs.append(random_state.RandomState())
+                with random_state.watching(self.rngs[-1]):
+                    out = segment(*writable(states[-1]))  # a segment may write its input: not z, nor a boundary kept
                 leaves, self.spec = tree_flatten(out)
                 if i + 1 < len(self.segments) and not all(differentiable(leaf) for leaf in leaves):
                     raise TypeError(f"{call}: segment {i} returned {describe(out)}; a segment other than the last must "
@@ -246,7 +248,7 @@ class Chain:
     def _recompute(self, i):
         self.rngs[i].restore()
         x = [s.detach().requires_grad_() for s in self.states[i]]
-        out = tree_flatten(self._calls[i](*x))[0]
+        out = tree_flatten(self._calls[i](*writable(x)))[0]
         return x, out
 
     def pull(self, ws):

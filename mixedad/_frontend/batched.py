@@ -32,8 +32,10 @@ import torch
 
 from mixedad._frontend.nesting import one_pass
 from mixedad._programs.compiled import push_compiled
-from mixedad._frontend.state import RngState, Snapshot
-from mixedad._frontend.tangents import _HOOKED, _THREADS, MAX_RESTARTS, _own_memory, _tensors_only, forward_pass
+from mixedad._frontend import random_state
+from mixedad._frontend.state import Snapshot
+from mixedad._frontend.inputs import PassInputs
+from mixedad._frontend.tangents import _HOOKED, _THREADS, MAX_RESTARTS, _tensors_only, forward_pass
 from mixedad._hooks.function_apply import routing
 from mixedad._hooks.functorch import NotLowerable, TangentBatch, batched_at, tangents_of_innermost_vmap
 from mixedad._hooks.module_hooks import backward_hooks
@@ -64,23 +66,26 @@ def push_tangents(call, G, zs, vs, *, recorder=None, compile=False):
         UnderTransformError: the batch cannot be pushed in one pass (see the module docstring).
     """
     with one_pass(call):
-        forward = functools.partial(_push_batch, call, G, zs, vs, recorder)
+        forward = functools.partial(_push_batch, call, G, zs, vs, recorder=recorder)
         if compile:
             return push_compiled(call, G, zs, vs, forward, batch=vs[0].shape[0])
         return forward()
 
 
-def _push_batch(call, G, zs, vs, recorder):
+def _push_batch(call, G, zs, vs, *, recorder=None):
     snapshot = Snapshot(G, call=call)
     if backward_hooks(snapshot.modules):
         raise UnderTransformError(f"{call}: {_HOOKED}")
-    rules = OpRules(call, recorder, batch=TangentBatch())
+    rules, inputs = OpRules(call, recorder, batch=TangentBatch()), PassInputs(zs, vs)
     for _ in range(MAX_RESTARTS + 1):
         try:
             with snapshot.watching():
-                return _forward(call, G, zs, vs, rules)
+                pushed = _forward(call, G, inputs, rules)
+            if recorder is not None:
+                recorder.inputs_written = inputs.private
+            return pushed
         except RestartPass:
-            snapshot.restore()  # the op that failed is now on the local rule
+            snapshot.restore()  # the op that failed is now on the local rule, or G gets copies of its inputs
             if recorder is not None:
                 recorder.counts.clear()  # the aborted pass's ops are counted again by the next one
         except UnderTransformError:
@@ -98,15 +103,16 @@ def _push_batch(call, G, zs, vs, recorder):
     raise UnderTransformError(f"{call}: more than {MAX_RESTARTS} ops of G needed the local rule in one call")
 
 
-def _forward(call, G, zs, vs, rules):
+def _forward(call, G, inputs, rules):
     def refusal(reason):
         return UnderTransformError(f"{call}: {reason}")
 
+    rules.inputs = inputs
     with forward_pass(rules):
         G_flat, spec = _tensors_only(call, G, refusal)
         with watching_threads() as threads:
             with rules, routing(rules):
-                g, g_dot = rules.batch.push(G_flat, [_own_memory(z) for z in zs], [v.detach() for v in vs])
+                g, g_dot = rules.batch.push(G_flat, inputs.primals(), inputs.tangents())
             if not torch.is_grad_enabled():
                 raise refusal("G leaves grad mode off when it returns")
         if threads:
@@ -126,9 +132,10 @@ def push_under_vmap(call, G, zs, vs, *, recorder=None):
     if found is None:
         return None
     level, batch = found
-    rng, recorded = RngState(), PathRecorder()
+    rng, recorded = random_state.RandomState(), PathRecorder()
     try:
-        g_leaves, tangents, spec = push_tangents(call, G, zs, batch, recorder=recorded)
+        with random_state.watching(rng):
+            g_leaves, tangents, spec = push_tangents(call, G, zs, batch, recorder=recorded)
     except UnderTransformError:
         return None
     if not rng.is_current():  # G draws random numbers: the user's vmap says how (randomness=...)

@@ -2,11 +2,13 @@
 
 Policy, for every mixedad call:
 
-- **Random state (dropout).** Every pass through G within one call sees the random state the
-  call's own forward pass saw, so all passes use the same dropout masks. After the call the
-  global RNG (CPU, and every initialised CUDA device) is where one plain forward of G on z
-  would have left it: forward passes advance it exactly as the naive code does, and replays
-  (input_grad's backward, a fallback after a failed attempt) are undone.
+- **Random state (dropout, noise).** Every pass through G within one call sees the random state
+  the call's own forward pass saw, so all passes draw the same numbers. After the call every
+  random source (torch's global CPU and CUDA generators, each ``torch.Generator`` G's ops
+  receive, Python's ``random``, NumPy's global generator: :mod:`mixedad._frontend.random_state`)
+  is where one plain forward of G on z would have left it: forward passes advance them exactly as
+  the naive code does, and replays (input_grad's backward, a fallback after a failed attempt) are
+  undone.
 - **Buffers (BatchNorm running statistics, num_batches_tracked).** They are updated exactly as
   one plain train-mode forward of G on z (per chunk, as the chunked naive code would) updates
   them, never twice: replays restore the buffers they touched. They never hold a dual tensor.
@@ -40,6 +42,9 @@ import contextlib
 import torch
 from torch import nn
 
+from mixedad._frontend import random_state
+from mixedad._frontend.random_state import RandomState
+
 #: The largest buffer (in bytes) of an eval-mode module that every snapshot copies by value;
 #: larger ones are only watched, and changing one in place in a pass that must be undone raises.
 #: 4 KiB holds counters, scalars and EMAs up to 512 float64 values, at a memory cost per
@@ -47,39 +52,18 @@ from torch import nn
 SMALL_BUFFER_BYTES = 4096
 
 
-class RngState:
-    """The global random state: the CPU generator and every initialised CUDA generator."""
-
-    def __init__(self):
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def restore(self):
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-
-    def is_current(self):
-        """Whether the global random state is still this one (nothing drew random numbers since)."""
-        if not torch.equal(torch.get_rng_state(), self.cpu):
-            return False
-        if self.cuda is None:
-            return not torch.cuda.is_initialized()  # CUDA started since: assume it drew
-        return all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), self.cuda))
-
-
 class Snapshot:
     """The random state and G's mutable buffers, to undo passes through G.
 
-    Run the passes to undo inside ``with snapshot.watching():`` (needed when G is not an
-    ``nn.Module``, harmless otherwise), then call :meth:`restore`. ``modules`` records modules
+    Run the passes to undo inside ``with snapshot.watching():`` (which records the generators G's
+    ops receive, and the modules of a G that is not an ``nn.Module``), then call :meth:`restore`. ``modules`` records modules
     of a non-Module G up front (those another snapshot has seen run); :attr:`modules` lists the
     modules recorded so far.
     """
 
     def __init__(self, G, *, modules=(), call="mixedad"):
         self.call = call  # the public call, for the message of a buffer that cannot be restored
-        self.rng = RngState()
+        self.rng = RandomState()
         self.saved, self.watched, self._seen, self.modules = [], [], set(), []
         self.attributes = []  # (module, {name: value}) of plain attributes
         self._upfront = isinstance(G, nn.Module)
@@ -127,15 +111,17 @@ class Snapshot:
 
     @contextlib.contextmanager
     def watching(self):
-        """Record, before they first run, the modules a non-Module G calls inside the block."""
-        if self._upfront:
-            yield self
-            return
-        handle = nn.modules.module.register_module_forward_pre_hook(self._record)
-        try:
-            yield self
-        finally:
-            handle.remove()
+        """Record, before they first run, the generators G's ops receive and the modules a non-Module G calls
+        inside the block."""
+        with random_state.watching(self.rng):
+            if self._upfront:
+                yield self
+                return
+            handle = nn.modules.module.register_module_forward_pre_hook(self._record)
+            try:
+                yield self
+            finally:
+                handle.remove()
 
     def restore(self):
         """Put back the random state and every recorded buffer (object and values).

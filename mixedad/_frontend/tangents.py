@@ -43,6 +43,8 @@ from torch.func import jvp, vjp
 from mixedad._entry import frozen, warn_once
 from mixedad._frontend.grad_mode import ReadGradMode
 from mixedad._frontend.nesting import one_pass
+from mixedad._frontend import random_state
+from mixedad._frontend.inputs import PassInputs, writable
 from mixedad._frontend.state import Snapshot
 from mixedad._programs.compiled import push_compiled, push_program
 from mixedad._hooks.attention_backends import differentiable_attention
@@ -51,7 +53,6 @@ from mixedad._hooks.function_apply import routing
 from mixedad._hooks.functorch import in_functorch_transform
 from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.pytree import describe, differentiable, tree_flatten
-from mixedad._hooks.tensor_kinds import shares_memory_within
 from mixedad._hooks.threads import watching_threads
 from mixedad.op_rules import REVERSE_MODE_INSIDE, SKIPPABLE, OpRules, skipped_paths, untrusted_under_transforms
 from mixedad.op_rules._custom_functions import FunctionsUnderTransforms, ReverseMode
@@ -97,19 +98,16 @@ def _tensors_only(call, G, refusal):
     return G_flat, spec
 
 
-def _own_memory(t):
-    """``t`` detached; copied when its elements share memory (``expand``), which dual tensors refuse."""
-    t = t.detach()
-    return t.clone() if shares_memory_within(t) else t
-
-
-def _forward(call, G, zs, vs, rules):
+def _forward(call, G, zs, vs, rules, *, inputs=None):
     """Forward-mode pass. Returns (primal leaves, tangent leaves or None where lost, spec).
 
     G runs with grad enabled, as in a plain call; grad mode is read at each op
     (:mod:`mixedad._frontend.grad_mode`). ``rules`` is the :class:`mixedad.op_rules.OpRules` dispatch,
-    which steps aside inside torch.func transforms; None for PyTorch's formulas only.
+    which steps aside inside torch.func transforms; None for PyTorch's formulas only. ``inputs``: the
+    call's :class:`~mixedad._frontend.inputs.PassInputs`, kept across restarts (new ones by default).
     """
+    if inputs is None:
+        inputs = PassInputs(zs, vs)
     if rules is None:
         rules = OpRules(call, skip=SKIPPABLE)
     if in_functorch_transform():
@@ -135,8 +133,9 @@ def _forward(call, G, zs, vs, rules):
         except NeedsWholeG as error:
             raise refusal(str(error)) from error
         return list(g), list(g_dot), spec[0]
+    rules.inputs = inputs
     with forward_pass(rules), forward_ad.dual_level():
-        duals = [forward_ad.make_dual(_own_memory(z), _own_memory(v)) for z, v in zip(zs, vs)]
+        duals = [forward_ad.make_dual(z, v) for z, v in zip(inputs.primals(), inputs.tangents())]
         with watching_threads() as threads:
             with rules, routing(rules):
                 out = G(*duals)
@@ -151,12 +150,14 @@ def _forward(call, G, zs, vs, rules):
 @contextlib.contextmanager
 def forward_pass(rules):
     """What every forward pass of mixedad runs in: its turn at PyTorch's one forward-AD level,
-    grad enabled, and attention on a differentiable backend where the attention rule is off.
+    grad enabled, attention on a differentiable backend where the attention rule is off, and the
+    generators G's ops receive noted by the dispatch itself (:mod:`mixedad._frontend.random_state`).
 
     Raises NeedsWholeG inside the caller's own ``forward_ad.dual_level()``.
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(FORWARD_PASS_LOCK)
+        stack.enter_context(random_state.watch_off())
         if dual_level_open():
             # PyTorch has one forward-AD level: inside the caller's own dual_level() neither dual
             # tensors nor torch.func.jvp can open another.
@@ -195,7 +196,7 @@ def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False):
     with torch.enable_grad(), differentiable_attention(), routing(watch):
         z_work = [z.detach().requires_grad_() for z in zs]
         with watch:
-            out = frozen(G)(*z_work)
+            out = frozen(G)(*writable(z_work))
         g_leaves, spec = tree_flatten(out)
         _check_outputs(call, g_leaves, out)
         at_cotangent = at_cotangent or watch.at_cotangent
@@ -275,7 +276,7 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
             if recorder is not None:
                 recorder.fallback = "strategy='reverse'"
             return _reverse(call, G, zs, vs, cotangent)
-        forward = functools.partial(_push_forward, call, G, zs, vs, strategy, recorder, cotangent)
+        forward = functools.partial(_push_forward, call, G, zs, vs, strategy, cotangent, recorder=recorder)
         if compile:
             return push_compiled(call, G, zs, vs, forward)
         if recorder is None and not skipped_paths():  # a report, or a pass told to skip rules, takes the per-op pass
@@ -290,19 +291,19 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
 FORWARD_PASS_LOCK = threading.RLock()
 
 
-def _push_forward(call, G, zs, vs, strategy, recorder, cotangent):
+def _push_forward(call, G, zs, vs, strategy, cotangent, *, recorder=None):
     whole_g = functools.partial(_whole_g, call, G, zs, vs, strategy, recorder=recorder, cotangent=cotangent)
     snapshot = Snapshot(G, call=call)
     if backward_hooks(snapshot.modules):
         return whole_g(_HOOKED, at_cotangent=True)
-    rules = OpRules(call, recorder)
+    rules, inputs = OpRules(call, recorder), PassInputs(zs, vs)
     for _ in range(MAX_RESTARTS + 1):
         try:
             with snapshot.watching():
-                g_leaves, tangents, spec = _forward(call, G, zs, vs, rules)
+                g_leaves, tangents, spec = _forward(call, G, zs, vs, rules, inputs=inputs)
             break
         except RestartPass:
-            snapshot.restore()  # the op that failed is now on the local rule
+            snapshot.restore()  # the op that failed is now on the local rule, or G gets copies of its inputs
             if recorder is not None:
                 recorder.counts.clear()  # the aborted pass's ops are counted again by the next one
         except OpRuleError:
@@ -321,6 +322,8 @@ def _push_forward(call, G, zs, vs, strategy, recorder, cotangent):
     else:
         snapshot.restore()
         return whole_g(f"more than {MAX_RESTARTS} ops of G needed the local rule in one call")
+    if recorder is not None:
+        recorder.inputs_written = inputs.private
     if backward_hooks(snapshot.modules):  # modules that a G which is not a Module ran
         snapshot.restore()
         return whole_g(_HOOKED, at_cotangent=True)

@@ -11,11 +11,16 @@ import torch
 from torch.overrides import _pop_mode_temporarily
 
 
+def innermost(mode):
+    """Whether ``mode`` is the innermost torch function mode of this thread."""
+    depth = torch._C._len_torch_function_stack()
+    return bool(depth) and torch._C._get_function_stack_at(depth - 1) is mode
+
+
 @contextlib.contextmanager
 def popped(mode):
     """``mode`` off for the block, when it is the innermost torch function mode."""
-    depth = torch._C._len_torch_function_stack()
-    if depth and torch._C._get_function_stack_at(depth - 1) is mode:
+    if innermost(mode):
         with _pop_mode_temporarily():
             yield
     else:

@@ -28,11 +28,14 @@ import torch
 from torch import nn
 
 from mixedad._entry import warn_once
+from mixedad._frontend.random_state import watch_off
 from mixedad._frontend.state import Snapshot
 from mixedad._hooks.functorch import in_functorch_transform
 from mixedad._hooks.dispatch import only_observers_active
 from mixedad._hooks.meta_trace import modes_active
 from mixedad._hooks.thread_local import setting
+from mixedad.op_rules import PathRecorder
+from mixedad.op_rules._user import generation
 from mixedad._programs.key import key_of
 from mixedad._programs.program import write
 from mixedad._programs.trace import Unsupported
@@ -264,6 +267,11 @@ def push_compiled(call, G, zs, vs, eager_push, *, batch=0):
     call, and the fallback wherever no compiled program runs. ``batch``: 0 for one tangent, k
     for tangents with a leading dimension of k.
     """
+    with watch_off():  # a program draws no random numbers (the check refuses G that does)
+        return _push_compiled(call, G, zs, vs, eager_push, batch)
+
+
+def _push_compiled(call, G, zs, vs, eager_push, batch):
     refusal = _refusal(G, zs, vs)
     if refusal is not None:
         warn_once(("compile refused", call, refusal), f"mixedad: {call} with compile=True runs eager here: {refusal}.")
@@ -293,12 +301,17 @@ def push_program(call, G, zs, vs, eager_push):
     mixedad's own path, not a fallback. A program that differs from the per-op pass, or raises, is
     dropped with a warning (mixedad's own error, to report).
     """
+    with watch_off():  # a program draws no random numbers (the check refuses G that does)
+        return _push_program(call, G, zs, vs, eager_push)
+
+
+def _push_program(call, G, zs, vs, eager_push):
     if type(G) is not nn.Sequential or getattr(_SWITCHES, "per_op", None) or \
             _refusal(G, zs, vs, observers=True) is not None:
         return eager_push()  # any other G: no program (see chain), and no key computed
     unchecked = bool(getattr(_SWITCHES, "unchecked", None))
     layouts = (tuple((t.shape, t.stride(), t.dtype, t.device) for t in (*zs, *vs)),
-               tuple(m.training for m in G.modules()))
+               tuple(m.training for m in G.modules()), generation())
     with _LOCK:
         seen = _SEEN.setdefault(G, {})
         status = seen.pop(layouts, None)
@@ -316,6 +329,19 @@ def push_program(call, G, zs, vs, eager_push):
                 _SEEN.setdefault(G, {})[layouts] = "never"
         return _settle(_EAGER, G, zs, vs, 0, key, entry, result)
     return _run(call, G, zs, vs, eager_push, entry)
+
+
+def runs_program(G, zs, vs):
+    """Whether the default's next call for G at these inputs runs a checked tangent program (not the per-op pass)."""
+    if type(G) is not nn.Sequential or getattr(_SWITCHES, "per_op", None):
+        return False
+    with watch_off():
+        if _refusal(G, zs, vs, observers=True) is not None:
+            return False
+        key, _ = key_of(G, zs, vs, 0)
+    with _LOCK:
+        entry = _EAGER.get(G, {}).get(key)
+    return entry is not None and entry.status == "compiled"
 
 
 def _entry(cache, G, key, held, zs, batch, evicted=None):
@@ -390,13 +416,18 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
     if not check:
         entry.spec, entry.status, entry.run = program.spec, "compiled", _program_fn(entry, batch, len(zs))
         return _run(call, G, zs, vs, eager_push, entry)
-    before = Snapshot(G, call=call)
+    before, seen = Snapshot(G, call=call), PathRecorder()
     try:
-        g_leaves, tangent_leaves, spec = eager_push()
+        with before.watching():
+            g_leaves, tangent_leaves, spec = eager_push(recorder=seen)
     except Exception as error:
         entry.reason = f"the eager pass it is checked against refused these inputs ({str(error).strip()[:300]})"
         raise
     entry.spec = spec
+    refusal = _unprogrammable(seen, before.rng.drawn())
+    if refusal is not None:  # what the eager pass saw that a program cannot do: nothing to check, G keeps that pass
+        _fall_back(call, G, entry, refusal, warn=compile)
+        return g_leaves, tangent_leaves, spec
     after = Snapshot(G, call=call)  # the random state and buffers one forward leaves
     before.restore()
     if compile:
@@ -437,6 +468,20 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
             print(f"mixedad: compiled in {entry.compile_seconds:.1f} s; matches the eager pass (largest relative "
                   f"difference {difference:.1e}).", file=sys.stderr, flush=True)
     return g_leaves, tangent_leaves, spec
+
+
+def _unprogrammable(seen, drawn):
+    """Why G keeps mixedad's per-op pass, from what its eager pass ``seen`` (a PathRecorder) and the random
+    sources it ``drawn`` from; None if nothing there refuses a program."""
+    if seen.user_rules:
+        return (f"G runs the rule registered for {sorted(seen.user_rules)[0]} with mixedad.op_rules.register, which "
+                f"tangent programs do not run (mixedad's per-op pass does)")
+    if seen.inputs_written:
+        return "G writes into its input in place, which a program would do in the caller's own z and v"
+    if drawn:
+        return (f"G draws random numbers ({', '.join(drawn)}), which a program would draw otherwise, or bake in as "
+                f"constants")
+    return None
 
 
 def _first_line(error):

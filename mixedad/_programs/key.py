@@ -5,8 +5,8 @@ A program holds for one set of input shapes, strides, dtypes and devices, one nu
 train/eval mode, with which parameters and buffers (by identity and dtype; a program reads their
 values when it runs), every other attribute of each module (numbers and strings by value,
 containers and config objects by their contents, tensors by identity and version, anything else
-by identity), the attributes of each module's class and the globals its ``forward`` names, and
-the CPU's oneDNN switch. A change to any of them gives another key, and another program.
+by identity), the attributes of each module's class and the globals its ``forward`` names, the
+CPU's oneDNN switch, and the users' tangent rules (registering or removing one). A change to any of them gives another key, and another program.
 
 Objects the key identifies by id are returned with it (``held``) and kept alive by the cache
 entry, so that an id is never reused by another object while the key is in use. The key is
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mixedad._hooks.module_hooks import global_hook_handles, hook_handles
+from mixedad.op_rules._user import generation
 
 __all__ = ["key_of", "own_attributes"]
 
@@ -121,7 +122,7 @@ def key_of(G, zs, vs, batch):
     compared on every call that may take a program, and a flat tuple is quicker to build and look up than nested
     ones (225 against 250 us on the speed benchmark's DCGAN)."""
     held: List[Any] = []
-    key: List[Any] = [batch, torch.backends.mkldnn.enabled, global_hook_handles()]
+    key: List[Any] = [batch, torch.backends.mkldnn.enabled, global_hook_handles(), generation()]
     for t in (*zs, *vs):
         key += (t.shape, t.stride(), t.dtype, t.device)
     key.append(_END)

@@ -21,7 +21,6 @@ computes:
 - a G that is not an ``nn.Module``, data-dependent control flow, or any other failure of the trace.
 """
 import inspect
-import random
 
 import torch
 import torch.fx as fx
@@ -160,7 +159,6 @@ def trace(G, zs):
         snapshot = Snapshot(G)
         versions = _versions(G)
         containers = _containers(G)
-        python_random = random.getstate()
         try:
             with torch.enable_grad(), torch.inference_mode(False):
                 graph = MetaTrace(_before_each_node, lambda m: module_rule(m) is not None).run(G, meta, concrete)
@@ -175,8 +173,7 @@ def trace(G, zs):
             raise Unsupported(f"torch.fx cannot trace G ({type(error).__name__}: "
                               f"{str(error).splitlines()[0][:200]})") from error
         finally:
-            snapshot.restore()
-            random.setstate(python_random)  # G's forward may draw Python random numbers (a trace runs it once more)
+            snapshot.restore()  # and every random source: G's forward may draw host-side random numbers
             _restore(containers)
             # The trace keeps tensors G makes as attributes of G (the program holds its own copies of them), and a
             # forward that stores a value on a module (a cache) stores the trace's proxy: neither stays.

@@ -58,6 +58,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Uni
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from mixedad._frontend.random_state import note as note_generator
 from mixedad._frontend.grad_mode import (GRAD_MODE_SETTERS, GRAPH_ATTRIBUTES, REQUIRES_GRAD, cannot_batch, no_graph,
                                          run_as_constant)
 from mixedad._hooks.composites import COMPOSITES, CompositeReentered, run_inside
@@ -177,15 +178,23 @@ class OpRules(TorchFunctionMode):
         self.attention = Path.ATTENTION not in skip
         self.skip = skip
         self.failed = FAILED if self.local else {}
+        #: The pass's :class:`~mixedad._frontend.inputs.PassInputs` (set by the pass): ops about to write into the
+        #: caller's z or v restart it on copies.
+        self.inputs: Any = None
         self._rules: Dict[Any, Optional[Rule]] = {}  # func -> its rule in this pass (TABLE and the skips do not change during one)
         _frozen_layers.forget_folds()  # a fold that a pass stopped early left behind (see _frozen_layers._fold)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs:
+            note_generator(kwargs.get("generator"))
+        else:
+            kwargs = {}
         if in_functorch_transform() and not self.in_batch():
             return func(*args, **kwargs)  # G runs torch.func.vmap (or another transform) inside
         if func in GRAD_MODE_SETTERS:
             return func(*args, **kwargs)
+        if self.inputs is not None and not self.inputs.private:
+            self.inputs.watch(func, args, kwargs, self.batch if self.in_batch() else None)
         if self.batch is not None:
             reason = cannot_batch(func, args, kwargs)
             if reason is not None:
@@ -296,6 +305,8 @@ class OpRules(TorchFunctionMode):
         if self.recorder is not None:
             path, reason = op.rerouted or (rule.path, rule.reason)
             self.recorder.add(op.name, path, reason)
+            if rule.path is Path.USER:
+                self.recorder.user_rules.add(op.name)
         return value
 
     def _reenter(self, func, *args, **kwargs):
@@ -317,11 +328,18 @@ class OpRules(TorchFunctionMode):
 
 
 class PathRecorder:
-    """Counts, per op, the calls that took each path; and the whole-G fallback, if any."""
+    """Counts, per op, the calls that took each path; and the whole-G fallback, if any.
+
+    Also what a pass saw that a tangent program cannot do: ``user_rules``, the ops whose user's rule
+    (:func:`register`) ran (whether it passed its check or not), and ``inputs_written``, whether G
+    wrote into its inputs (the pass then ran on copies of them).
+    """
 
     def __init__(self) -> None:
         self.counts: Dict[Tuple[str, Path, str], int] = {}
         self.fallback: Optional[str] = None
+        self.user_rules: set = set()
+        self.inputs_written = False
 
     def add(self, op: str, path: Union[Path, str], reason: str) -> None:
         key = (op, Path(path), reason)

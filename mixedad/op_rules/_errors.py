@@ -1,6 +1,7 @@
 r"""What the op rules raise: mixedad's errors, and the signals that change a pass's course."""
 
-__all__ = ["OpRuleError", "UnderTransformError", "FunctionUnderTransformError", "NeedsWholeG", "RestartPass"]
+__all__ = ["OpRuleError", "UnderTransformError", "FunctionUnderTransformError", "NeedsWholeG", "RestartPass",
+           "InputsWritten"]
 
 
 class OpRuleError(RuntimeError):
@@ -37,3 +38,10 @@ class RestartPass(Exception):
     def __init__(self, op, error):
         super().__init__(f"{op}: {error}")
         self.op, self.error = op, error
+
+
+class InputsWritten(RestartPass):
+    """An op of G is about to write in place into the caller's z or v; the pass restarts on mixedad's copies."""
+
+    def __init__(self, op):
+        super().__init__(op, "writes in place into G's input")

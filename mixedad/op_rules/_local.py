@@ -20,6 +20,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from mixedad._frontend.writes import in_place_targets
 from mixedad._hooks.dual_level import dual, unpack
 from mixedad._hooks.function_apply import direct
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
@@ -48,12 +49,13 @@ DROPS_TANGENT = ("scatter_reduce",)
 NO_FORMULA = ("cholesky", "ormqr", "index_reduce", "grid_sampler", "grid_sampler_2d", "grid_sampler_3d")
 
 
-def _is_inplace(func):
-    name = getattr(func, "__name__", "")
-    return name.endswith("_") and not name.startswith("__")
+def _writes_first(func, leaves, spec):
+    """Whether the op writes in place into its first argument (``x.mul_(2)``, ``F.leaky_relu(x, inplace=True)``)."""
+    args, kwargs = tree_unflatten(leaves, spec)
+    return any(t is leaves[0] for t in in_place_targets(func, args, kwargs))
 
 
-def local_jvp(call, name, func, args, kwargs, *, custom=False, batch=None):
+def local_jvp(call, name, func, args, kwargs, *, custom=False, batch=None, before_write=None):
     """Run ``func(*args, **kwargs)`` with the local rule; NotImplemented if no input has a tangent.
 
     Args:
@@ -68,6 +70,8 @@ def local_jvp(call, name, func, args, kwargs, *, custom=False, batch=None):
         batch: keyword-only; the :class:`~mixedad._hooks.functorch.TangentBatch` of a batched
             pass, or None. The op then runs once, outside torch.func, on plain primals, and its
             backward is differentiated once per tangent of the batch.
+        before_write: keyword-only; None, or ``before_write(tensors)``, called with the caller's
+            tensors an op's in-place writes are about to be written back into (it may raise).
 
     Returns:
         The op's result with the same structure; every floating-point output that depends on
@@ -93,6 +97,8 @@ def local_jvp(call, name, func, args, kwargs, *, custom=False, batch=None):
                                                            custom, batched=batch is not None)
     attach = dual if batch is None else batch.lift
     result = [attach(o, t) if t is not None else o for o, t in result]
+    if written and before_write is not None:
+        before_write([leaves[i] for i in written.values()])
     for j, i in written.items():
         leaves[i].copy_(result[j])  # forward AD carries the tangent into the caller's tensor
         result[j] = leaves[i]
@@ -101,7 +107,7 @@ def local_jvp(call, name, func, args, kwargs, *, custom=False, batch=None):
 
 def _run_and_differentiate(call, name, func, leaves, spec, work, diff, tangents, custom, batched):
     """The op on the primals with grad on, and its outputs' tangents: ``([(output, tangent or None)], spec, written)``."""
-    inplace = _is_inplace(func)
+    inplace = _writes_first(func, leaves, spec)
     with torch.enable_grad():
         inputs = [work[i].requires_grad_() for i in diff]
         copied = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)] if custom else []

@@ -5,17 +5,25 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
-from mixedad._hooks.function_apply import direct
+from mixedad._hooks.function_apply import has_setup_context
 from mixedad._hooks.library_ops import registry_keys
-from mixedad.op_rules._custom_functions import verdict, verdict_in_batch, warn_disagreement
+from mixedad.op_rules._errors import UnderTransformError
+from mixedad.op_rules._probes import verdict, verdict_in_batch, warn_disagreement
 from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, arguments_of, pack
 
 __all__ = ["register", "unregister"]
 
 RuleFunction = TypeVar("RuleFunction", bound=Callable[..., Any])
 
-_WARNED: "weakref.WeakSet" = weakref.WeakSet()
+_WARNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rule -> the failed signatures it was warned of
 _REPLACED: dict = {}  # op -> mixedad's own rule that a user's rule replaced
+_generation = [0]
+
+
+def generation() -> int:
+    """A number that changes whenever a user's rule is registered or unregistered (tangent programs are written
+    for one set of rules)."""
+    return _generation[0]
 
 
 def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
@@ -50,11 +58,18 @@ def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
     (the op then takes the path it would have taken without the rule). It is called only for
     calls where some argument carries a tangent and grad is enabled.
 
-    The first time a rule is used, mixedad checks it against the op's own backward with the
+    Before a rule is used, mixedad checks it against the op's own backward with the
     dot-product test on random t, u: :math:`\\langle \\mathrm{rule}(t), u\\rangle = \\langle t,
-    J^\\top u\\rangle`. A rule that disagrees is not used: mixedad warns, naming both numbers,
-    and differentiates the op's backward instead (reverse mode is the meaning). An op without a
-    backward cannot be checked; its rule is then trusted.
+    J^\\top u\\rangle`, outside its pass, once per op, pattern of arguments that carry tangents,
+    and dtypes (:mod:`mixedad.op_rules._probes`). A rule that disagrees is not used: mixedad warns,
+    naming the rule and both numbers, and differentiates the op's backward instead (reverse mode is
+    the meaning). An op without a backward cannot be checked; its rule is then trusted.
+
+    A rule holds wherever mixedad pushes tangents through G: a G that meets a user's rule runs on
+    mixedad's per-op pass (tangent programs, and ``compile=True``, which run mixedad's own rules,
+    step aside for it, the latter with a warning), in batches of tangents too; inside a
+    ``torch.func`` transform of the caller's, which would run PyTorch's formula instead, the call
+    is refused.
 
     Returns:
         A decorator that registers the rule and returns it unchanged. Registering again replaces
@@ -103,12 +118,12 @@ def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
         if not callable(rule):
             raise TypeError(f"register({op!r}): expected a function rule(op), got {type(rule).__name__}.")
         owner = getattr(rule, "__qualname__", repr(rule))
-        checked = _checked_first(rule)
         for key in keys:
             previous = TABLE.get(key)
             if previous is not None and previous.path is not Path.USER:
                 _REPLACED[key] = previous  # mixedad's own rule, back on unregister
-            TABLE[key] = Rule(Path.USER, checked, reason or owner, arguments_of(key, arguments), owner)
+            TABLE[key] = Rule(Path.USER, _checked(rule, key), reason or owner, arguments_of(key, arguments), owner)
+        _generation[0] += 1
         return rule
 
     return decorate
@@ -124,41 +139,46 @@ def unregister(op: Any) -> None:
             TABLE[key] = _REPLACED.pop(key)
         else:
             del TABLE[key]
+        _generation[0] += 1
 
 
-def _checked_first(rule):
-    """``rule`` wrapped so that the first call checks it against the op's backward."""
+def _checked(rule, key):
+    """``rule`` for the op ``key``, checked against the op's backward before its result is used."""
 
     @functools.wraps(rule)
     def apply(op):
-        found = _check(rule, op)  # probed once per rule, then remembered
+        found = _check(rule, key, op)  # probed once per op, arguments with tangents and dtypes, then remembered
         if not found.jvp_agrees:
-            _warn(rule, op, found.numbers)
+            _warn(rule, op, found)
             from mixedad.op_rules._local import local_rule
 
             op.reroute(Path.LOCAL, f"the user's rule {rule.__qualname__} disagrees with the op's backward")
             return local_rule(op)
+        if op.batch is not None and isinstance(key, type) and not has_setup_context(key):
+            raise UnderTransformError(f"{op.call}: the rule {rule.__qualname__} registered for {op.name} calls a "
+                                      f"custom Function without setup_context, which torch.func cannot run in a "
+                                      f"batch of tangents")
         return rule(op)
 
     return apply
 
 
-def _check(rule, op):
+def _check(rule, key, op):
     """The dot-product test of ``rule`` against the op's backward, on this call's arguments."""
 
     def pushed(*args, **kwargs):
         result = rule(OpCall(op.func, op.name, op.call, args, kwargs, op._names))
         return NotImplemented if result is NotImplemented else pack(*result)
 
-    with direct():  # inside the dispatch, which runs ops plainly: the op's Functions as torch defines them
-        if op.batch is not None:
-            return verdict_in_batch(op.batch, rule, op.func, op.args, op.kwargs, with_jvp=True, jvp=pushed)
-        return verdict(rule, op.func, op.args, op.kwargs, with_jvp=True, jvp=pushed)
+    if op.batch is not None:
+        return verdict_in_batch(op.batch, rule, op.func, op.args, op.kwargs, with_jvp=True, jvp=pushed, op=key)
+    return verdict(rule, op.func, op.args, op.kwargs, with_jvp=True, jvp=pushed, op=key)
 
 
-def _warn(rule, op, numbers):
-    if rule in _WARNED:
+def _warn(rule, op, found):
+    warned = _WARNED.setdefault(rule, set())
+    if found in warned:
         return
-    _WARNED.add(rule)
-    warn_disagreement(op.call, f"the tangent rule {rule.__qualname__} registered for {op.name}", "rule", numbers,
-                      "Fix the rule, or unregister it.")
+    warned.add(found)
+    warn_disagreement(op.call, f"the tangent rule {rule.__qualname__} registered for {op.name}", "rule",
+                      found.numbers, "Fix the rule, or unregister it.")

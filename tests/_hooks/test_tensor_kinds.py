@@ -13,3 +13,11 @@ def test_values_and_shared_memory():
     assert not hook.holds_values(fake)
     assert hook.shares_memory_within(torch.ones(1).expand(3))
     assert not hook.shares_memory_within(torch.ones(3))
+
+
+def test_storage_identity_follows_views_on_every_device():
+    for device in ("cpu", "meta"):
+        x = torch.ones(4, 3, device=device)
+        assert hook.storage_id(x.t()) == hook.storage_id(x) == hook.storage_id(x[1:].view(-1))
+        assert hook.storage_id(x.clone()) != hook.storage_id(x)
+        assert hook.storage_id(torch.ones(2, device=device)) != hook.storage_id(x)
