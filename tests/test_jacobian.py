@@ -67,10 +67,37 @@ def test_mixed_jacobian_shapes_of_different_rank():
     assert_close(jac, double_backward_mixed_jacobian(f, G, z, y))
 
 
+def _rows_by_double_backward(f, G, zs, y_leaves, y_of):
+    """Every row of the mixed Jacobian by double backward, one per entry of the z's (in order): per leaf of y."""
+    zs = [z.detach().clone().requires_grad_() for z in zs]
+    ys = [leaf.detach().clone().requires_grad_() for leaf in y_leaves]
+    grads = torch.autograd.grad(f(y_of(ys), G(*zs)), zs, create_graph=True)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    rows = [torch.autograd.grad(flat[i], ys, retain_graph=True, allow_unused=True) for i in range(flat.numel())]
+    return [torch.stack([torch.zeros_like(ys[j]) if r[j] is None else r[j] for r in rows]) for j in range(len(ys))]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_mixed_jacobian_takes_a_pytree_y_and_a_tuple_z_as_mixed_grad_does(chunk_size):
+    W = torch.randn(4, 4, dtype=F64, generator=torch.Generator().manual_seed(1))
+    G = lambda a, b: torch.tanh(a @ W + b)  # noqa: E731
+    f = lambda y, g: ((y["a"] * g) ** 3).sum() + (y["b"][0] * g).sum() ** 2  # noqa: E731
+    gen = torch.Generator().manual_seed(2)
+    z = (torch.randn(2, 4, generator=gen, dtype=F64), torch.randn(4, generator=gen, dtype=F64))
+    y = {"a": torch.randn(2, 4, generator=gen, dtype=F64), "b": [torch.randn(4, generator=gen, dtype=F64)]}
+    jac = mixedad.mixed_jacobian(f, G, z, y, chunk_size=chunk_size)
+    rows_a, rows_b = _rows_by_double_backward(f, G, z, [y["a"], y["b"][0]], lambda ys: {"a": ys[0], "b": [ys[1]]})
+    assert isinstance(jac, tuple) and jac[0]["a"].shape == (2, 4, 2, 4) and jac[1]["b"][0].shape == (4, 4)
+    assert_close(torch.cat([jac[0]["a"].reshape(8, 2, 4), jac[1]["a"].reshape(4, 2, 4)]), rows_a)
+    assert_close(torch.cat([jac[0]["b"][0].reshape(8, 4), jac[1]["b"][0].reshape(4, 4)]), rows_b)
+    one = mixedad.mixed_jacobian(lambda y, g: (y["a"] * g ** 2).sum(), lambda a: torch.tanh(a @ W), z[0], {"a": y["a"]})
+    assert set(one) == {"a"} and one["a"].shape == (2, 4, 2, 4)
+
+
 def test_mixed_jacobian_bad_input():
     G, z, y = problem()
-    with pytest.raises(TypeError, match=r"mixed_jacobian\(f, G, z, y\): expected y to be a tensor, got dict"):
-        mixedad.mixed_jacobian(cubic, G, z, {"y": y})
+    with pytest.raises(TypeError, match=r"mixed_jacobian\(f, G, z, y\): expected y\['y'\] to be a tensor, got str"):
+        mixedad.mixed_jacobian(cubic, G, z, {"y": "text"})
     with pytest.raises(ValueError, match=r"mixed_jacobian\(f, G, z, y\): expected chunk_size .* got -1"):
         mixedad.mixed_jacobian(cubic, G, z, y, chunk_size=-1)
 

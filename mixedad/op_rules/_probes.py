@@ -46,7 +46,7 @@ from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad._hooks.tensor_kinds import holds_values
 
 __all__ = ["Verdict", "TOLERANCE", "verdict", "verdict_in_batch", "verdict_under_transforms", "warn_disagreement",
-           "forget"]
+           "forget", "new_plan"]
 
 #: Relative tolerance of both probes, by dtype (round-off of a few sums of products).
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -75,10 +75,20 @@ _verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
+#: owner -> the keys whose probe the current memory plan made on meta tensors (once each, as a real first call)
+_planned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def forget():
     """Clear the remembered verdicts (for tests)."""
     with _lock:
         _verdicts.clear()
+
+
+def new_plan():
+    """A memory plan starts: its meta run makes each probe a real first call would make, once."""
+    with _lock:
+        _planned.clear()
 
 
 def signature(leaves):
@@ -102,9 +112,19 @@ def verdict(owner, apply, args, kwargs, *, with_jvp, jvp=None, op=None):
             registered for several ops has a verdict for each.
     """
     leaves, spec = tree_flatten((args, kwargs))
-    if not _has_data(leaves):
-        return _UNPROBED  # meta or fake tensors: nothing to probe with, and nothing remembered
     key = (owner if op is None else op, signature(leaves))
+    if not _has_data(leaves):
+        # Meta or fake tensors (a memory plan): nothing to compare and nothing remembered. Where a real call would
+        # probe (the first of its signature, not probed before), the probe's tensors are made as it makes them,
+        # so that a plan counts what the probe holds.
+        with _lock:
+            planned = _planned.setdefault(owner, set())
+            probe = key not in planned and key not in _verdicts.get(owner, {})
+            planned.add(key)
+        if probe:
+            with direct(), undone(), torch.enable_grad():
+                _probe(apply, leaves, spec, with_jvp, jvp or apply, values=False)
+        return _UNPROBED
     with _lock:
         found = _verdicts.get(owner, {}).get(key)
     if found is None or (with_jvp and not found.jvp_tested):
@@ -170,8 +190,10 @@ def _close(lhs, rhs, scale, dtype):
     return abs(lhs - rhs) <= _tolerance(dtype) * scale + torch.finfo(dtype).tiny
 
 
-def _probe(apply, leaves, spec, with_jvp, jvp):
-    """Both probes, with grad enabled (the caller's block): the op's graph is recorded, whatever the pass does."""
+def _probe(apply, leaves, spec, with_jvp, jvp, values=True):
+    """Both probes, with grad enabled (the caller's block): the op's graph is recorded, whatever the pass does.
+
+    Without ``values`` (meta tensors) the probes make their tensors and compare nothing."""
     work, bases, positions = list(leaves), [], []
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided:
@@ -197,9 +219,11 @@ def _probe(apply, leaves, spec, with_jvp, jvp):
         return _UNPROBED  # no backward to check against
     outs = [out_leaves[j] for j in live]
     dtype = outs[0].dtype
-    generator = torch.Generator(device=outs[0].device).manual_seed(0)
+    generator = torch.Generator(device=outs[0].device).manual_seed(0) if values else None
 
     def rand(like, scale=1.0):
+        if not values:
+            return torch.empty(like.shape, dtype=like.dtype, device=like.device) * scale
         return torch.randn(like.shape, generator=generator, dtype=like.dtype, device=like.device) * scale
 
     def backward(us):
@@ -214,9 +238,14 @@ def _probe(apply, leaves, spec, with_jvp, jvp):
         return _UNPROBED  # the backward itself fails: the rules that need it will say so
     for m, p, q in zip(mixed, b1, b2):
         expected = _A * p + _B * q
-        scale = (_A * p).abs().max().item() + (-_B * q).abs().max().item()
-        if not _close(m.sub(expected).abs().max().item(), 0.0, scale, dtype):
+        scale = (_A * p).abs().max(), (-_B * q).abs().max()
+        gap = m.sub(expected).abs().max()
+        if values and not _close(gap.item(), 0.0, scale[0].item() + scale[1].item(), dtype):
             return Verdict(False, True)
+    if not values:
+        if with_jvp:
+            _dot_product_test(jvp, leaves, spec, positions, bases, live, u1, b1, rand, dtype, values=False)
+        return _UNPROBED
     if not with_jvp:
         return Verdict(True, True, jvp_tested=False)
     agrees, numbers = _dot_product_test(jvp, leaves, spec, positions, bases, live, u1, b1, rand, dtype)
@@ -225,9 +254,9 @@ def _probe(apply, leaves, spec, with_jvp, jvp):
     return Verdict(True, agrees, numbers)
 
 
-def _dot_product_test(apply, leaves, spec, positions, bases, live, us, pulled, rand, dtype):
+def _dot_product_test(apply, leaves, spec, positions, bases, live, us, pulled, rand, dtype, values=True):
     """(agrees, (<jvp(t), u>, <t, B(u)>)) for random t, at the open forward-AD level; agrees is None where a rule
-    declines the probe's inputs."""
+    declines the probe's inputs (and without ``values``: its tensors made, nothing compared)."""
     ts = [rand(b) for b in bases]
     work = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     for i, b, t in zip(positions, bases, ts):
@@ -244,11 +273,12 @@ def _dot_product_test(apply, leaves, spec, positions, bases, live, us, pulled, r
     if len(out_leaves) <= max(live):
         return False, (float("nan"), float("nan"))  # fewer outputs than the op has
     pushed = [unpack(out_leaves[j])[1] if isinstance(out_leaves[j], torch.Tensor) else None for j in live]
-    lhs = sum(0.0 if p is None else (p * u).sum().item() for p, u in zip(pushed, us))
-    rhs = sum((t * g).sum().item() for t, g in zip(ts, pulled))
-    scale = (sum(0.0 if p is None else (p * u).abs().sum().item() for p, u in zip(pushed, us))
-             + sum((t * g).abs().sum().item() for t, g in zip(ts, pulled)))
-    return _close(lhs, rhs, scale, dtype), (lhs, rhs)
+    item = (lambda t: t.item()) if values else (lambda t: 0.0)  # on meta: the same tensors, no numbers
+    lhs = sum(0.0 if p is None else item((p * u).sum()) for p, u in zip(pushed, us))
+    rhs = sum(item((t * g).sum()) for t, g in zip(ts, pulled))
+    scale = (sum(0.0 if p is None else item((p * u).abs().sum()) for p, u in zip(pushed, us))
+             + sum(item((t * g).abs().sum()) for t, g in zip(ts, pulled)))
+    return (_close(lhs, rhs, scale, dtype) if values else None), (lhs, rhs)
 
 
 def warn_disagreement(call, what, pushed, numbers, fix):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mixedad
-from mixedad.op_rules import _custom_functions as _function_probes
+from mixedad.op_rules import _probes as _function_probes
 from mixedad.testing import assert_close
 
 F64 = torch.float64

@@ -3,6 +3,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import mixedad
 from mixedad.op_rules import OpRuleError, Path, register, unregister
@@ -197,3 +198,105 @@ def test_unregister_brings_mixedads_own_rule_back():
     assert TABLE[F.linear] is own
     unregister(F.linear)  # nothing of the user's left: mixedad's own rule stays
     assert TABLE[F.linear] is own
+
+
+def _tanh_rule(scale, calls=None):
+    def tanh_tangent(op):
+        if calls is not None:
+            calls.append(1)
+        x, dx = op.primals["input"], op.tangents["input"]
+        t = torch.tanh(x)
+        return t, scale * (1 - t * t) * dx
+
+    return tanh_tangent
+
+
+def test_a_wrong_rule_for_a_torch_function_is_caught_outside_the_dispatch(registered):
+    W1, W2, z, y, v = problem(6)
+    wrong = _tanh_rule(0.5)
+    wrong.__qualname__ = "half_tanh_tangent"
+    registered(torch.tanh, arguments=("input",))(wrong)
+    G = lambda z: torch.tanh(z @ W1) @ W2  # noqa: E731
+    with pytest.warns(RuntimeWarning, match=r"half_tanh_tangent registered for torch.tanh disagrees with the "
+                                            r"backward: .* = -?[0-9.e+-]+ but <t, backward\(u\)> = -?[0-9.e+-]+"):
+        ours = mixedad.mixed_grad(f, G, z, y, v)
+    assert_close(ours, double_backward_mixed_grad(f, G, z, y, v))
+    report = mixedad.tangent_report(G, z, v)
+    assert report.ops("local double-VJP") == ["torch.tanh"] and report.ops("user rule") == []
+
+
+def test_a_rule_is_checked_again_for_each_pattern_of_arguments_with_tangents_and_each_op(registered):
+    W1, W2, z, y, v = problem(7)
+    c = torch.randn(5, dtype=F64)
+
+    @registered(torch.mul, arguments=("input", "other"))
+    def mul_wrong_in_other(op):
+        a, b = op.primals["input"], op.primals["other"]
+        da, db = op.tangents["input"], op.tangents["other"]
+        tangent = (0 if da is None else da * b) + (0 if db is None else 5 * a * db)
+        return op.primal(), tangent
+
+    only_a = lambda z: torch.mul(z @ W1, c) @ W2  # noqa: E731  right for this pattern
+    both = lambda z: torch.mul(z @ W1, torch.tanh(z @ W2)) @ W2  # noqa: E731  wrong for this one
+    assert_close(mixedad.mixed_grad(f, only_a, z, y, v), double_backward_mixed_grad(f, only_a, z, y, v))
+    with pytest.warns(RuntimeWarning, match="mul_wrong_in_other registered for torch.mul disagrees"):
+        ours = mixedad.mixed_grad(f, both, z, y, v)
+    assert_close(ours, double_backward_mixed_grad(f, both, z, y, v))
+
+    def sin_tangent(op):  # right for sin, wrong for cos, which it is registered for too
+        return op.primal(), torch.cos(op.primals["input"]) * op.tangents["input"]
+
+    registered(torch.sin, arguments=("input",))(sin_tangent)
+    registered(torch.cos, arguments=("input",))(sin_tangent)
+    G = lambda z: (torch.sin(z @ W1) + torch.cos(z @ W2)) @ W2  # noqa: E731
+    with pytest.warns(RuntimeWarning, match="sin_tangent registered for torch.cos disagrees"):
+        ours = mixedad.mixed_grad(f, G, z, y, v)
+    assert_close(ours, double_backward_mixed_grad(f, G, z, y, v))
+
+
+def test_a_rule_runs_on_every_call_of_a_sequential_and_under_compile(registered):
+    calls = []
+    registered(torch.tanh, arguments=("input",))(_tanh_rule(1.0, calls))
+    G = mixedad.zoo.mlp(2, 5, dtype=F64)  # an nn.Sequential: from its third call a program, but for the rule
+    _, _, z, y, v = problem(8)
+    expected = double_backward_mixed_grad(f, G, z, y, v)
+    for _ in range(5):
+        before = len(calls)
+        assert_close(mixedad.mixed_grad(f, G, z, y, v), expected)
+        assert len(calls) > before
+    report = mixedad.tangent_report(G, z, v)
+    assert report.route == "per-op pass" and report.ops("user rule") == ["torch.tanh"]
+    with pytest.warns(RuntimeWarning, match=r"compile=True runs eager .*G runs the rule registered for torch.tanh"):
+        for _ in range(2):
+            before = len(calls)
+            assert_close(mixedad.mixed_grad(f, G, z, y, v, compile=True), expected)
+            assert len(calls) > before
+
+
+def test_a_wrong_rule_for_f_linear_never_blames_mixedads_program(registered):
+    G = mixedad.zoo.mlp(2, 5, dtype=F64)
+
+    @registered(F.linear, arguments=("input", "weight", "bias"))
+    def linear_half(op):
+        return op.primal(), 0.5 * op.primal(input=op.tangents["input"], bias=None)
+
+    _, _, z, y, v = problem(9)
+    expected = double_backward_mixed_grad(f, G, z, y, v)
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(4):
+            assert_close(mixedad.mixed_grad(f, G, z, y, v), expected)
+    messages = [str(w.message) for w in caught]
+    assert any("linear_half registered for torch.nn.functional.linear disagrees" in m for m in messages)
+    assert not any("tangent program" in m or "program differs" in m for m in messages)
+
+
+def test_a_rule_registered_after_a_program_was_written_is_used_from_the_next_call(registered):
+    G = mixedad.zoo.mlp(2, 5, dtype=F64)
+    _, _, z, y, v = problem(10)
+    for _ in range(3):
+        mixedad.mixed_grad(f, G, z, y, v)
+    assert mixedad.tangent_report(G, z, v).route == "tangent program"
+    calls = []
+    registered(torch.tanh, arguments=("input",))(_tanh_rule(1.0, calls))
+    assert_close(mixedad.mixed_grad(f, G, z, y, v), double_backward_mixed_grad(f, G, z, y, v))
+    assert calls and mixedad.tangent_report(G, z, v).route == "per-op pass"
