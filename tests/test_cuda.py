@@ -227,6 +227,31 @@ def test_dropout_on_cuda_leaves_the_cuda_random_state_as_one_forward_does():
     assert_close(ours, expected, rtol=1e-9)
 
 
+def test_a_cuda_generator_g_draws_from_is_replayed_by_input_grad_and_left_as_one_forward_leaves_it():
+    gen = torch.Generator(device=CUDA)
+    W = _randn(32, 32, seed=4) / 6
+
+    def G(z):
+        h = z @ W
+        noise = torch.randn(h.shape, generator=gen, device=CUDA, dtype=h.dtype)
+        return torch.tanh(h + noise) * (1 + 0.1 * noise)
+
+    z, u = _randn(8, 32, seed=5), _randn(8, 32, seed=6)
+    y = _randn(32, seed=7).requires_grad_()
+    gen.manual_seed(1)
+    d = mixedad.input_grad(cubic, G, z, y, chunk_size=4)
+    (ours,) = torch.autograd.grad((d * u).sum(), y)
+    after_ours = gen.get_state()
+    gen.manual_seed(1)
+    expected = 0
+    for c in (slice(0, 4), slice(4, 8)):
+        zc, yc = z[c].clone().requires_grad_(), y.detach().clone().requires_grad_()
+        (dz,) = torch.autograd.grad(cubic(yc, G(zc)), zc, create_graph=True)
+        expected = expected + torch.autograd.grad((dz * u[c]).sum(), yc)[0]
+    assert torch.equal(after_ours, gen.get_state())
+    assert_close(ours, expected, rtol=1e-9)
+
+
 # --- memory on the CUDA allocator ---------------------------------------------------------------
 
 def _warm_peak(fn, *args):
