@@ -217,7 +217,7 @@ def implicit_argmin(f: Callable[..., torch.Tensor], G: Callable[..., Any],
     is checked against its version at this call (``tensor._version``, as autograd does): a
     change in place, or a replaced parameter, raises :class:`mixedad.StateChangedError`. For a G
     that is not an ``nn.Module``, the modules are those its closure, defaults, named globals or
-    bound object hold. Its gradient can be differentiated once: ``create_graph=True`` through it
+    bound object hold (directly or in a list, tuple or dict). Its gradient can be differentiated once: ``create_graph=True`` through it
     raises.
 
     Example:

@@ -22,10 +22,14 @@ the pass reads again is checked here, as autograd checks the tensors a graph sav
 A change raises :class:`StateChangedError` before anything is computed, so a result never mixes
 the state saved with the new one. A check holds a list of (tensor, version) pairs, no copies.
 As for autograd, a write through ``.data`` bypasses the version counter and is not seen.
-mixedad's own restores write only what the snapshot copied, which is not checked, so a replay
-never trips a check.
+mixedad's own restores write only what a snapshot copied, which is not checked, so a replay
+never trips a check; where such a restore writes a watched buffer (its module was switched to train
+mode since, so the caller's snapshot copied it), :meth:`Versions.refresh` takes its version again.
+This module reads a snapshot's ``modules`` and, for each entry of its ``watched`` list, ``tensor``,
+``module``, ``name`` and ``version``.
 """
 import functools
+import itertools
 import types
 
 import torch
@@ -175,13 +179,19 @@ class Versions:
         )
 
 
+#: How many items of a list, tuple or dict :func:`modules_reached` looks into.
+_ITEMS = 1000
+
+
 def modules_reached(G, depth=3):
     """The modules a callable G reaches without running it (with their submodules), for a record before G runs.
 
     G itself when it is a module; else the modules held by what G is made of: a bound method's
     object, a ``functools.partial``'s function and arguments, a function's closure, defaults and
-    the globals its code names, a callable object's attributes, ``depth`` levels down. Modules G
-    finds another way (through a container, or by a computed name) are not found.
+    the globals its code names, a callable object's attributes, and lists, tuples and dicts of
+    these (their first :data:`_ITEMS` items), ``depth`` levels down. A module found is taken
+    whole (an object holding G's module and others gives them all); modules G reaches another way
+    (a computed name, an object that is not callable) are not found.
     """
     found, seen = [], set()
 
@@ -201,6 +211,9 @@ def modules_reached(G, depth=3):
             cells = [cell.cell_contents for cell in obj.__closure__ or () if _filled(cell)]
             named = [obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__]
             for part in (*cells, *(obj.__defaults__ or ()), *named):
+                visit(part, level - 1)
+        elif isinstance(obj, (list, tuple, dict)):
+            for part in itertools.islice(obj.values() if isinstance(obj, dict) else obj, _ITEMS):
                 visit(part, level - 1)
         elif callable(obj) and not isinstance(obj, type) and hasattr(obj, "__dict__"):
             for part in vars(obj).values():

@@ -439,9 +439,17 @@ def _with_default(z, net=NET):
     return net(z)
 
 
-@pytest.mark.parametrize("G", [NET, lambda z: NET(z), _global_g, _with_default, _Holder(NET), _Holder(NET).run,
-                               functools.partial(lambda net, z: net(z), NET)],
-                         ids=["module", "closure", "global", "default", "callable object", "bound method", "partial"])
+LAYERS = {"net": [NET]}
+
+
+def _in_a_container(z):
+    return LAYERS["net"][0](z)
+
+
+@pytest.mark.parametrize("G", [NET, lambda z: NET(z), _global_g, _with_default, _in_a_container, _Holder(NET),
+                               _Holder(NET).run, functools.partial(lambda net, z: net(z), NET)],
+                         ids=["module", "closure", "global", "default", "container", "callable object", "bound method",
+                              "partial"])
 def test_modules_reached_finds_the_modules_a_callable_holds(G):
     assert modules_reached(G) == list(NET.modules())
 
