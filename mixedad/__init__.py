@@ -8,6 +8,7 @@ happens to each op of G: the per-op tangent rules), ``mixedad.profiling`` (exact
 are public.
 """
 from mixedad import benchmark, distributed, op_rules, profiling, reference, testing, zoo
+from mixedad._frontend.versions import StateChangedError
 from mixedad._programs.compiled import CompiledTangent, compiled_tangents, per_op_pass
 from mixedad.cached import cached_backward
 from mixedad.curvature import CurvatureError, ZCurvature, z_curvature
@@ -25,6 +26,7 @@ __all__ = [
     "CurvatureError",
     "EagerPenalties",
     "GraphReport",
+    "StateChangedError",
     "TangentReport",
     "ZCurvature",
     "cached_backward",

@@ -4,6 +4,7 @@ import torch
 
 from mixedad._checks import check_callable, check_chunk_size
 from mixedad._frontend.state import Snapshot
+from mixedad._frontend.versions import Versions
 
 __all__ = ["cached_backward"]
 
@@ -34,6 +35,9 @@ def cached_backward(f: Callable[[torch.Tensor], torch.Tensor], inputs: Union[tor
     ``u``/``v`` and EMA buffers hold the values pass 1 used. Afterwards the running statistics, ``num_batches_tracked``
     and the RNG are as pass 1, that is the naive code, left them: pass 2's updates are undone
     (see :mod:`mixedad._frontend.state`; f may be any callable, its modules are found as they run).
+    What pass 2 reads again without a copy (f's parameters, eval-mode buffers too large to copy,
+    the inputs) is checked against its version after pass 1 (``tensor._version``): g changing
+    one in place, or replacing a parameter, raises :class:`mixedad.StateChangedError`.
 
     Args:
         f: callable mapping one input to a tensor; the outputs must stack.
@@ -74,6 +78,11 @@ def cached_backward(f: Callable[[torch.Tensor], torch.Tensor], inputs: Union[tor
             states.append(state)
             with state.watching():
                 outputs += [_output(f, x) for x in chunk]
+    # g runs between the passes: pass 2 must find f's parameters, its uncopied buffers and the inputs as pass 1 did.
+    versions = Versions(CALL, f, states, [(f"inputs[{i}]", x) for i, x in enumerate(items)], owner="f",
+                        after="pass 1 ran f on the inputs",
+                        fix="g runs between the two passes and must not change f's parameters or the inputs in "
+                            "place; change them after cached_backward returns.")
     Z = torch.stack(outputs).requires_grad_()
     del outputs  # one copy of the outputs from here on
     with torch.enable_grad():
@@ -84,6 +93,7 @@ def cached_backward(f: Callable[[torch.Tensor], torch.Tensor], inputs: Union[tor
         L.backward()
     dL_dZ = torch.zeros_like(Z) if Z.grad is None else Z.grad
     del Z
+    versions.check()
     after_first_pass = Snapshot(f, modules=states[0].modules, call=CALL)  # after g too: g may draw random numbers
     try:
         with after_first_pass.watching(), torch.enable_grad():

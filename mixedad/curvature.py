@@ -9,6 +9,7 @@ r"""Curvature in z through a frozen G: a matrix-free operator on z-space.
 For Laplace approximations in latent space, Newton and Gauss-Newton steps in inversion, latent
 geometry, and the solve inside :func:`mixedad.implicit_grad`.
 """
+import contextlib
 import math
 import numbers
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -19,9 +20,9 @@ from mixedad import _checks
 from mixedad._curvature.cg import CurvatureError, conjugate_gradient
 from mixedad._curvature.segments import Chain, f_derivatives, push, split
 from mixedad._entry import eager, frozen, public_call
-from mixedad._frontend.random_state import RandomState
 from mixedad._frontend.inputs import writable
 from mixedad._frontend.state import Snapshot
+from mixedad._frontend.versions import Versions, input_labels
 from mixedad._hooks.attention_backends import differentiable_attention
 from mixedad._hooks.pytree import differentiable, tree_flatten, tree_unflatten
 
@@ -77,6 +78,7 @@ class ZCurvature:
         self.kind, self.damping = kind, float(damping)
         self.last_solve: Optional[SolveInfo] = None
         self.size = sum(t.numel() for t in self._zs)
+        self._versions: Optional[Versions] = None  # set once constructed; checked before every use
         self._snapshot = Snapshot(self._G, call=call)
         try:
             with self._snapshot.watching():
@@ -93,6 +95,10 @@ class ZCurvature:
         finally:
             self._snapshot.restore()
         self.segments = len(self._chain.segments)
+        self._versions = Versions(call, self._G, [self._snapshot, *self._chain.snapshots],
+                                  list(zip(input_labels("z", z) + input_labels("y", y), [*self._zs, *self._y_leaves])),
+                                  after="z_curvature built this operator",
+                                  fix="Build a new operator with z_curvature after the change.")
 
     def _check_composition(self):
         with torch.no_grad():
@@ -133,16 +139,30 @@ class ZCurvature:
     def _structure(self, leaves):
         return tuple(leaves) if self._tuple else leaves[0]
 
+    @contextlib.contextmanager
+    def _replaying(self):
+        """G as at construction inside the block, as the caller had it after.
+
+        The random state, the buffers the snapshot copied and the modules' modes are replayed from
+        construction; what is read again without a copy (G's parameters, buffers too large to copy,
+        z and y) is checked against its version then, so a product never mixes the cached
+        boundaries with new state.
+        """
+        assert self._versions is not None  # constructed
+        self._versions.check()
+        undo = Snapshot(self._G, modules=self._snapshot.modules, call=self._call)
+        try:
+            with undo.watching(), self._snapshot.watching():
+                self._snapshot.restore()
+                yield
+        finally:
+            undo.restore()
+            self._versions.refresh()
+
     def _products(self, us):
         """:math:`(H + \\lambda I) u_j` for k tangents (each leaf with a leading k)."""
-        caller = RandomState()
-        self._snapshot.rng.restore()  # G draws the random numbers it drew at construction
-        try:
-            with self._snapshot.watching():
-                out = self._curvature(us)
-        finally:
-            self._snapshot.restore()  # G's buffers as at construction
-            caller.restore()  # and the caller's random state as it was
+        with self._replaying():
+            out = self._curvature(us)
         if self.damping:
             out = [o + self.damping * u for o, u in zip(out, us)]
         return out
@@ -173,13 +193,13 @@ class ZCurvature:
 
     def f_gradient(self):
         r""":math:`\nabla_g f` at G's output (computed once, on first use), one entry per leaf of g."""
+        if self._versions is not None:
+            self._versions.check()  # a cached gradient is the state at construction's too
         if self._lam is None:
             output = self._chain.output
             if output is None:  # dropped after construction: one forward pass of G again
-                with torch.no_grad():
-                    self._snapshot.restore()
+                with torch.no_grad(), self._replaying():
                     output = [t.detach() if isinstance(t, torch.Tensor) else t for t in tree_flatten(self._G(*self._zs))[0]]
-                    self._snapshot.restore()
             self._lam, _ = f_derivatives(self._call, self._f, self._y_leaves, self._y_spec, output, self._chain.spec)
         return self._lam
 
@@ -405,8 +425,12 @@ def z_curvature(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[
     modules; any other G is one segment (memory then as double backward's, never more) unless
     ``segments`` lists callables whose composition is G (checked once against G(z)).
 
-    G's random state and buffers are replayed from the call's state for every product (dropout
-    draws the same masks each time: the operator is one linear map), and left as they were.
+    G's random state, buffers and module modes are replayed from the call's state for every
+    product (dropout draws the same masks each time: the operator is one linear map), and left as
+    the caller had them. What the products read again without a copy (G's parameters, eval-mode
+    buffers too large to copy, z and y's leaves) is checked against its version at this call
+    before every method runs (``tensor._version``, as autograd does): a change in place, or a
+    replaced parameter, raises :class:`mixedad.StateChangedError`; build a new operator instead.
 
     Args:
         f: ``f(y, g)`` returning a scalar; y is a constant here.

@@ -16,7 +16,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from mixedad import _checks
-from mixedad._entry import public_call, user_stacklevel
+from mixedad._entry import eager, public_call, user_stacklevel
+from mixedad._frontend.state import Snapshot
+from mixedad._frontend.versions import Versions, input_labels, modules_reached
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad.curvature import ZCurvature, _check_settings
 from mixedad.mixed import mixed_grad
@@ -47,20 +49,18 @@ def _check_stationary(call, op):
     """Warn when z* is visibly not stationary: :math:`\\lVert\\nabla_z L\\rVert` against its scale."""
     chain = op._chain
     lam = op.f_gradient()
-    gradient = chain.gradient(lam)
+    with op._replaying():
+        gradient = chain.gradient(lam)
     norm = sum(float(g.double().pow(2).sum()) for g in gradient) ** 0.5
     if norm == 0:
         return
     generator = torch.Generator(device=op._zs[0].device).manual_seed(0)
     probe = [torch.randn(z.shape, generator=generator, dtype=z.dtype, device=z.device) for z in op._zs]
     probe_norm = sum(float(p.double().pow(2).sum()) for p in probe) ** 0.5
-    op._snapshot.restore()
-    try:
-        from mixedad._curvature.segments import push
+    from mixedad._curvature.segments import push
 
+    with op._replaying():
         outputs, pushed, _ = push(call, op._G, op._zs, [p.unsqueeze(0) for p in probe])
-    finally:
-        op._snapshot.restore()
     gains = [float(t[0].double().norm()) / probe_norm if t is not None else 0.0 for t in pushed]
     scale = sum(float(l.double().norm()) * gain for l, gain in zip(lam, gains) if l is not None)
     # At an exact fit the gradient and its scale are both round-off, and their ratio means nothing: below what
@@ -81,9 +81,14 @@ def _implicit(call, f, G, z_star, y, w, kind, damping, tol, maxiter, solve, segm
     if w is None:
         raise TypeError(f"{call}: expected w with z_star's structure (the outer loss's gradient at z*), got None.")
     op = ZCurvature(call, f, G, z_star, y, kind=kind, damping=damping, segments=segments, keep_graph=keep_graph)
+    assert op._versions is not None
+    name = call.split("(")[0]
+    op._versions.after = f"{name} built its curvature operator"
+    op._versions.fix = f"Leave G, z_star and y as they are until {name} returns: a solve(matvec, b) must not change them."
     _checks.flatten_v(call, z_star, op._zs, w)
     _check_stationary(call, op)
     x = _solve(call, op, w, tol, maxiter, solve)
+    op._versions.check()  # the solve ran the caller's code: the mixed term below must see the operator's state
     mixed = mixed_grad(f, G, z_star, y, x)
     return tree_unflatten([-leaf for leaf in tree_flatten(mixed)[0]], tree_flatten(mixed)[1]), op
 
@@ -114,7 +119,8 @@ def implicit_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any],
     State: the curvature's products leave G's random state and buffers as they were; the final
     mixed_grad leaves them as after one plain forward of G (mixedad's policy: a train-mode
     BatchNorm updates its running statistics once, dropout draws once). Put G in eval mode to
-    keep a frozen G's statistics fixed.
+    keep a frozen G's statistics fixed. G, ``z_star`` and y must not change while the call runs
+    (a ``solve`` that changes one raises :class:`mixedad.StateChangedError`).
 
     Cost: one :func:`mixedad.z_curvature` product per CG iteration (see there; the Hessian's is
     about a forward with tangent, a forward, a backward and a double backward of G, one segment
@@ -168,12 +174,21 @@ class _ImplicitArgmin(torch.autograd.Function):
             raise RuntimeError(f"{s['call']}: its gradient can be differentiated once; create_graph=True through it "
                                f"would silently drop the second-order terms. Differentiate without create_graph, or "
                                f"unroll the inner optimisation for higher orders.")
+        s["versions"].check()  # before autograd's own check of y, with the parameter's or input's name
         y_leaves = list(ctx.saved_tensors)
         ws = [torch.zeros_like(z) if wi is None else wi for wi, z in zip(w, s["zs"])]
         y = tree_unflatten(y_leaves, s["y_spec"])
-        grads, _ = _implicit(s["call"], s["f"], s["G"], s["z_star"], y, tuple(ws) if s["tuple"] else ws[0],
-                             s["kind"], s["damping"], s["tol"], s["maxiter"], s["solve"], s["segments"],
-                             s["keep_graph"])
+        state = s["state"]
+        undo = Snapshot(s["G"], modules=state.modules, call=s["call"])  # G as the caller has it now, put back after
+        try:
+            with undo.watching():
+                state.restore()  # the random state, buffers and modes of the call
+                grads, _ = _implicit(s["call"], s["f"], s["G"], s["z_star"], y, tuple(ws) if s["tuple"] else ws[0],
+                                     s["kind"], s["damping"], s["tol"], s["maxiter"], s["solve"], s["segments"],
+                                     s["keep_graph"])
+        finally:
+            undo.restore()
+            s["versions"].refresh()
         return (None, *tree_flatten(grads)[0])
 
 
@@ -194,9 +209,16 @@ def implicit_argmin(f: Callable[..., torch.Tensor], G: Callable[..., Any],
     reaches y (and whatever y was computed from), as through an unrolled optimiser, at the
     memory of one curvature solve. The keywords are those of :func:`implicit_grad`. Find
     ``z_star`` however you like (under ``torch.no_grad()``, with any optimiser); only its value
-    is used. The arguments are checked here; the work happens in backward, once per backward
-    (each leaves G's state as :func:`implicit_grad` does). Its gradient can be differentiated
-    once: ``create_graph=True`` through it raises.
+    is used. The arguments are checked here; the work happens in backward, once per backward.
+    Each backward runs from G's state at this call, as the naive unrolled code's backward would
+    see it: the random state, G's train-mode buffers, small eval-mode buffers and module modes
+    are copied here (a snapshot) and replayed, and G is left as the backward found it. What is
+    not copied (G's parameters, eval-mode buffers too large to copy, ``z_star`` and y's leaves)
+    is checked against its version at this call (``tensor._version``, as autograd does): a
+    change in place, or a replaced parameter, raises :class:`mixedad.StateChangedError`. For a G
+    that is not an ``nn.Module``, the modules are those its closure, defaults, named globals or
+    bound object hold (directly or in a list, tuple or dict). Its gradient can be differentiated once: ``create_graph=True`` through it
+    raises.
 
     Example:
         >>> import torch, mixedad
@@ -213,8 +235,15 @@ def implicit_argmin(f: Callable[..., torch.Tensor], G: Callable[..., Any],
     _check_settings(call, kind=kind, damping=damping, keep_graph=keep_graph, tol=tol, maxiter=maxiter, solve=solve)
     if not (isinstance(segments, (str, int, list, tuple)) and not isinstance(segments, bool)):
         raise TypeError(f"{call}: expected segments='auto', an int or a list of callables, got {segments!r}.")
+    G = eager(G)
+    # The backward runs from G's state at this call: the snapshot replays what it copied, the rest is checked.
+    state = Snapshot(G, modules=modules_reached(G), call=call)
+    versions = Versions(call, G, [state], list(zip(input_labels("z_star", z_star) + input_labels("y", y),
+                                                   [*zs, *y_leaves])),
+                        after="the call that saved this backward pass",
+                        fix="Call implicit_argmin again after the change and backpropagate through the new result.")
     settings = {"call": call, "f": f, "G": G, "z_star": z_star, "zs": zs, "tuple": isinstance(z_star, (tuple, list)),
                 "y_spec": y_spec, "kind": kind, "damping": damping, "tol": tol, "maxiter": maxiter, "solve": solve,
-                "segments": segments, "keep_graph": keep_graph}
+                "segments": segments, "keep_graph": keep_graph, "state": state, "versions": versions}
     out = _ImplicitArgmin.apply(settings, *y_leaves)
     return tuple(out) if settings["tuple"] else out[0]

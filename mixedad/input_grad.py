@@ -7,6 +7,7 @@ from mixedad import _checks
 from mixedad._backend import check_sum_over_codes, contract_f_with_tangent, f_cotangent, gradient_chunk
 from mixedad._entry import public_call
 from mixedad._frontend.state import Snapshot
+from mixedad._frontend.versions import Versions, input_labels
 from mixedad._entry import eager
 from mixedad._frontend.nesting import check_not_nested
 from mixedad._frontend.tangents import push_tangent
@@ -59,6 +60,10 @@ def input_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[t
     buffers per chunk. Buffers are updated once per chunk by the
     forward, as the naive code updates them, and end as it leaves them (see :mod:`mixedad._frontend.state`).
     With ``chunk_size``, f must be a sum over latent codes; this is checked on the first two chunks.
+    What the backward reads again without a copy (G's parameters, eval-mode buffers too large to
+    copy, z and y's leaves) is checked against its version at this call (``tensor._version``, as
+    autograd does): a change in place, or a replaced parameter, raises
+    :class:`mixedad.StateChangedError` instead of mixing old and new state.
 
     Args:
         f: callable ``f(y, g)`` returning a scalar tensor.
@@ -95,6 +100,7 @@ def input_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[t
     _checks.check_devices(CALL, G, zs, y_leaves, y_spec)
     chunks = _checks.chunk_slices(CALL, zs, chunk_size)
     meta = _Meta(f, G, y_spec, chunks, len(zs), strategy, compile)
+    meta.labels = input_labels("z", z) + input_labels("y", y)
     out = _InputGrad.apply(meta, *zs, *y_leaves)
     return tuple(out) if isinstance(z, (tuple, list)) else out[0]
 
@@ -108,6 +114,8 @@ class _Meta:
         # RNG and train-mode buffers (BatchNorm statistics, spectral norm's u and v, EMAs) before
         # each chunk's forward pass: the backward replays each chunk from the state it saw.
         self.states = []
+        self.labels = []  # how messages name z's and y's leaves
+        self.versions = None  # what the backward reads again without a copy, checked before it runs
 
 
 class _InputGrad(torch.autograd.Function):
@@ -122,6 +130,7 @@ class _InputGrad(torch.autograd.Function):
             with state.watching():
                 pieces, evaluated = gradient_chunk(CALL, meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec)
             if outs is None:
+                _record(meta, tensors)
                 return tuple(pieces)
             if len(seen) < 2:
                 seen.append(evaluated)
@@ -130,6 +139,7 @@ class _InputGrad(torch.autograd.Function):
                     seen[:] = [None, None]  # checked: let the two outputs go
             for out, piece in zip(outs, pieces):  # outs is a list here (returned above when None)
                 out[c] = piece  # filled chunk by chunk: one copy of the result, not two
+        _record(meta, tensors)
         return tuple(outs or ())
 
     @staticmethod
@@ -142,6 +152,7 @@ class _InputGrad(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grad_outs):
         meta = ctx.meta
+        meta.versions.check()  # before autograd's own check of z and y, with the parameter's or input's name
         tensors = ctx.saved_tensors
         zs, y_leaves = tensors[: meta.n_z], tensors[meta.n_z :]
         cotangents = [torch.zeros_like(zi) if g is None else g for g, zi in zip(grad_outs, zs)]
@@ -162,6 +173,14 @@ class _InputGrad(torch.autograd.Function):
                     totals = grads if totals is None else [t + g for t, g in zip(totals, grads)]
         finally:
             undo.restore()
+            meta.versions.refresh()
         assert totals is not None  # there is at least one chunk
         needs = ctx.needs_input_grad[1 + meta.n_z :]
         return (None,) + (None,) * meta.n_z + tuple(t if n else None for t, n in zip(totals, needs))
+
+
+def _record(meta, tensors):
+    """The versions of G's parameters, its buffers that no snapshot copied, and z and y, after the forward pass."""
+    meta.versions = Versions(CALL, meta.G, meta.states, list(zip(meta.labels, tensors)),
+                             after="the call that saved this backward pass",
+                             fix="Call input_grad again after the change and backpropagate through the new result.")

@@ -1707,12 +1707,15 @@ def naive_argmin_fwd(p, damping, **o):
     p.ctx["argmin_z"] = p.z.detach().clone()
     yl = leaf_copies(p.y)
     p.ctx["yl"] = tree_leaves(yl)
-    # the naive implicit gradient is computed where the forward is (one plain forward of G), for any W
+    # the naive implicit gradient is computed where the forward is, for any W. implicit_argmin's backward runs
+    # from G's state at the call and leaves G as it found it (docs/api.md): so does its twin.
+    before = _operator_state(p)
     with torch.enable_grad():
         y_work = leaf_copies(p.y)
         leaves, _ = tree_flatten(y_work)
         H, gz, _ = _naive_damped_hessian(p, y_work, damping)
         p.ctx["argmin_naive"] = (H, gz, leaves)
+    _restore_operator_state(p, before)
     return p.ctx["argmin_z"]
 
 

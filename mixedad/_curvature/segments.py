@@ -24,8 +24,10 @@ graph. Tangents go forward through mixedad's own pass (:mod:`mixedad._frontend`)
 at a time, flat within each. With :math:`\sqrt{d}` segments of a depth-d G, both parts grow as
 :math:`\sqrt{d}`.
 
-Random numbers: each segment is recomputed from the random state it first ran from, so dropout
-draws the same masks in every sweep.
+Random numbers and buffers: each segment is recomputed from the random state and the buffers it
+first ran from (a :class:`~mixedad._frontend.state.Snapshot` of the modules it runs), so dropout
+draws the same masks, and a train-mode spectral norm, whose forward steps its ``u`` and ``v``,
+gives the same weight, in every sweep.
 """
 import math
 from typing import Any, List, Optional
@@ -35,8 +37,8 @@ from torch import nn
 
 from mixedad._entry import frozen
 from mixedad._frontend.batched import push_tangents
-from mixedad._frontend import random_state
 from mixedad._frontend.inputs import writable
+from mixedad._frontend.state import Snapshot
 from mixedad._frontend.tangents import push_tangent
 from mixedad._hooks.attention_backends import differentiable_attention
 from mixedad._hooks.dual_level import unpack
@@ -102,7 +104,8 @@ def push(call, G, zs, tangents):
     """``(g_leaves, tangent_leaves, spec)`` for k tangents at once (each tangent with a leading k).
 
     One tangent takes mixedad's plain pass; several take one batched pass
-    (:mod:`mixedad._frontend.batched`), or one pass each where a batch cannot be taken.
+    (:mod:`mixedad._frontend.batched`), or one pass each where a batch cannot be taken, each pass
+    from the random state and buffers the first one started from.
     Tangents of leaves without one are zeros.
     """
     k = tangents[0].shape[0]
@@ -112,7 +115,15 @@ def push(call, G, zs, tangents):
             return g_leaves, [_batch_of_zeros(g, k) if t is None else t for t, g in zip(out, g_leaves)], spec
         except UnderTransformError:
             pass
-    rows = [push_tangent(call, G, zs, [t[j] for t in tangents]) for j in range(k)]
+    if k == 1:
+        rows = [push_tangent(call, G, zs, [t[0] for t in tangents])]
+    else:  # one pass per tangent, each from the state the first saw (a train-mode spectral norm steps its u)
+        state, rows = Snapshot(G, call=call), []
+        for j in range(k):
+            if j:
+                state.restore()
+            with state.watching():
+                rows.append(push_tangent(call, G, zs, [t[j] for t in tangents]))
     g_leaves, spec = rows[0][0], rows[0][2]
     stacked = []
     for i, g in enumerate(g_leaves):
@@ -187,11 +198,12 @@ class Chain:
         #: G, when the segments are slices of one nn.Sequential whose boundary modules occur once in it.
         self.whole = whole if whole is not None and _unique_boundaries(whole, self.segments) else None
         self._calls = [frozen(s) for s in self.segments]
-        states, self.rngs = [[z.detach() for z in zs]], []
+        states, self.snapshots = [[z.detach() for z in zs]], []
         with torch.no_grad():
             for i, segment in enumerate(self.segments):
-                self.rngs.append(random_state.RandomState())
-                with random_state.watching(self.rngs[-1]):
+                snapshot = Snapshot(segment, call=call)  # a callable's modules are recorded as they first run
+                self.snapshots.append(snapshot)
+                with snapshot.watching():
                     out = segment(*writable(states[-1]))  # a segment may write its input: not z, nor a boundary kept
                 leaves, self.spec = tree_flatten(out)
                 if i + 1 < len(self.segments) and not all(differentiable(leaf) for leaf in leaves):
@@ -218,7 +230,7 @@ class Chain:
                 return found
         out = [list(us)]
         for i, segment in enumerate(self.segments):
-            self.rngs[i].restore()
+            self.snapshots[i].restore()
             g_leaves, pushed, _ = push(self.call, segment, self.states[i], out[-1])
             out.append([t if t is not None or not differentiable(g) else g.new_zeros(us[0].shape[0], *g.shape)
                         for t, g in zip(pushed, g_leaves)])
@@ -233,7 +245,7 @@ class Chain:
 
         handles = [segment[-1].register_forward_hook(capture) for segment in self.segments[:-1]]
         try:
-            self.rngs[0].restore()
+            self.snapshots[0].restore()
             g_leaves, pushed, _ = push(self.call, self.whole, self.states[0], us)
         finally:
             for handle in handles:
@@ -246,7 +258,7 @@ class Chain:
         return out, g_leaves
 
     def _recompute(self, i):
-        self.rngs[i].restore()
+        self.snapshots[i].restore()
         x = [s.detach().requires_grad_() for s in self.states[i]]
         out = tree_flatten(self._calls[i](*writable(x)))[0]
         return x, out

@@ -1,0 +1,231 @@
+r"""Saved passes against changed state: the versions of what a later pass reads again without a copy.
+
+Four objects keep a pass and run it again later: ``input_grad``'s backward, a ``z_curvature``
+operator's products, ``implicit_argmin``'s backward and ``cached_backward``'s second pass. Each
+replays from a :class:`~mixedad._frontend.state.Snapshot` what the snapshot holds: the random
+state, the buffers it copied (those of train-mode modules, and the small ones of eval-mode
+modules), the buffer objects and the plain attributes (the train/eval mode too). Everything else
+the pass reads again is checked here, as autograd checks the tensors a graph saves, through
+``tensor._version``:
+
+- **the parameters** of G's modules, under their names in G's ``named_parameters()``: the same
+  tensor object, at the same version (an in-place write under ``torch.no_grad()``, an optimizer
+  step and ``load_state_dict`` all bump it; a replaced parameter is another object);
+- **the buffers the snapshot does not copy** (large buffers of eval-mode modules): the same
+  version (a replaced one is fine: the replay puts the recorded object back);
+- **the inputs the object keeps** (z, y's leaves, z_star): the same version.
+
+.. math::
+
+    \text{check} = \bigwedge_{(t,\, v) \in \text{saved}} \big(\mathrm{version}(t) = v\big)
+
+A change raises :class:`StateChangedError` before anything is computed, so a result never mixes
+the state saved with the new one. A check holds a list of (tensor, version) pairs, no copies.
+As for autograd, a write through ``.data`` bypasses the version counter and is not seen.
+mixedad's own restores write only what a snapshot copied, which is not checked, so a replay
+never trips a check; where such a restore writes a watched buffer (its module was switched to train
+mode since, so the caller's snapshot copied it), :meth:`Versions.refresh` takes its version again.
+This module reads a snapshot's ``modules`` and, for each entry of its ``watched`` list, ``tensor``,
+``module``, ``name`` and ``version``.
+"""
+import functools
+import itertools
+import types
+
+import torch
+from torch import nn
+
+from mixedad._hooks.pytree import keystr, tree_flatten_with_path
+
+__all__ = ["StateChangedError", "Versions", "input_labels", "modules_reached"]
+
+
+class StateChangedError(RuntimeError):
+    r"""G's state, or an input that a saved pass keeps, changed between the call that saved the pass and its use.
+
+    Raised by ``input_grad``'s backward, a ``z_curvature`` operator's methods, ``implicit_argmin``'s
+    backward and ``cached_backward``'s second pass when a tensor :math:`t` they read again moved
+    from the version :math:`v` it had when the pass was saved (or was replaced by another tensor):
+
+    .. math::
+
+        \mathrm{version}(t) \ne v
+
+    Computing then would mix the saved state with the new one; call again after the change.
+
+    Example:
+        >>> import torch, mixedad
+        >>> G = torch.nn.Linear(3, 3).double()
+        >>> op = mixedad.z_curvature(lambda y, g: ((g - y) ** 2).sum(), G, torch.ones(3).double(), torch.ones(3).double())
+        >>> with torch.no_grad():
+        ...     _ = G.weight.mul_(2.0)
+        >>> try:
+        ...     op @ torch.ones(3).double()
+        ... except mixedad.StateChangedError as error:
+        ...     print(str(error)[:72])
+        z_curvature(f, G, z, y): the parameter weight of G was modified in place
+    """
+
+
+def _version(tensor):
+    """The version counter; None for an inference tensor, which has none."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def input_labels(name, tree):
+    """How messages name the tensors of an argument, in the order of its leaves.
+
+    A tensor is ``name``; a tuple of tensors gives ``name[i]``; any other tree gives
+    ``name's leaf i (name['key'])``.
+    """
+    if isinstance(tree, torch.Tensor):
+        return [name]
+    pairs = tree_flatten_with_path(tree)[0]
+    if isinstance(tree, (tuple, list)) and all(len(path) == 1 for path, _ in pairs):
+        return [name + keystr(path) for path, _ in pairs]
+    return [f"{name}'s leaf {i} ({name}{keystr(path)})" for i, (path, _) in enumerate(pairs)]
+
+
+def _roots(G, modules):
+    """G itself when it is a module; else the recorded modules that are not inside another recorded one."""
+    if isinstance(G, nn.Module):
+        return [G]
+    roots, covered = [], set()
+    for module in modules:
+        if id(module) not in covered:
+            roots.append(module)
+            covered.update(id(m) for m in module.modules())
+    return roots
+
+
+def _owner_of(G, root, owner):
+    """How messages name a root: G itself, or a module G calls."""
+    return owner if root is G else f"the {type(root).__name__} that {owner} calls"
+
+
+class Versions:
+    """What a saved pass reads again without a copy, with its version when the pass was saved.
+
+    Args:
+        call: the public call, to open messages with.
+        G: the module or callable whose state is recorded.
+        snapshots: the snapshots the pass replays from (their modules, for a G that is not a
+            module, and the buffers they watch without copying).
+        inputs: ``(label, tensor)`` pairs the object keeps (z, y's leaves, z_star).
+        owner: how messages name G ("G", or "f" for ``cached_backward``).
+        after: what the change came after, for messages ("the call that saved this backward pass").
+        fix: what to do, for messages.
+    """
+
+    def __init__(self, call, G, snapshots, inputs, *, owner="G", after, fix):
+        self.call, self.after, self.fix, self.snapshots = call, after, fix, snapshots
+        modules = []
+        for snapshot in snapshots:
+            modules += snapshot.modules
+        watched = {id(entry.tensor): entry for snapshot in snapshots for entry in snapshot.watched}
+        self.params, self.buffers, seen = [], [], set()
+        for root in _roots(G, modules):
+            of = _owner_of(G, root, owner)
+            names = []
+            for name, p in root.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    names.append((name, p, _version(p)))
+            self.params.append((root, of, names))
+            for name, b in root.named_buffers():
+                entry = watched.pop(id(b), None)
+                if entry is not None:
+                    self.buffers.append([f"the buffer {name} of {of}", b, _version(b)])
+        for entry in watched.values():  # a plain tensor attribute, or a buffer outside the roots
+            label = f"the tensor {entry.name} of a {type(entry.module).__name__} that {owner} calls"
+            self.buffers.append([label, entry.tensor, _version(entry.tensor)])
+        self.inputs = [(label, t, _version(t)) for label, t in inputs if isinstance(t, torch.Tensor)]
+
+    def check(self):
+        """Raise :class:`StateChangedError` if anything recorded changed since."""
+        for root, of, names in self.params:
+            now = dict(root.named_parameters())
+            for name, p, version in names:
+                if now.get(name) is not p:
+                    self._raise(f"the parameter {name} of {of}", "replaced by another tensor" if name in now
+                                else "removed")
+                if _version(p) != version:
+                    self._raise(f"the parameter {name} of {of}", "modified in place", version, _version(p))
+        for label, t, version in [*self.buffers, *self.inputs]:
+            if _version(t) != version:
+                self._raise(label, "modified in place", version, _version(t))
+
+    def refresh(self):
+        """Take the watched buffers' versions again after a pass and mixedad's own restore of the caller's state.
+
+        Call it once :meth:`check` passed before the pass and the restore after it succeeded: a
+        snapshot taken while a module was in train mode copies its buffers and always writes them
+        back, which bumps their versions, so a module switched to train mode after the pass was
+        saved (the pass replays its eval mode) has its watched buffers written by that restore,
+        from a copy of the values :meth:`check` found unchanged. The snapshots' own records of
+        those buffers (which refuse a change in place during a pass) move with them.
+        """
+        for entry in self.buffers:
+            entry[2] = _version(entry[1])
+        for snapshot in self.snapshots:
+            for watched in snapshot.watched:
+                watched.version = _version(watched.tensor)
+
+    def _raise(self, what, how, before=None, now=None):
+        counts = f" (version {before}, now {now})" if before is not None else ""
+        raise StateChangedError(
+            f"{self.call}: {what} was {how} after {self.after}{counts}. Computing with it would mix the state "
+            f"saved then with the new one. {self.fix}"
+        )
+
+
+#: How many items of a list, tuple or dict :func:`modules_reached` looks into.
+_ITEMS = 1000
+
+
+def modules_reached(G, depth=3):
+    """The modules a callable G reaches without running it (with their submodules), for a record before G runs.
+
+    G itself when it is a module; else the modules held by what G is made of: a bound method's
+    object, a ``functools.partial``'s function and arguments, a function's closure, defaults and
+    the globals its code names, a callable object's attributes, and lists, tuples and dicts of
+    these (their first :data:`_ITEMS` items), ``depth`` levels down. A module found is taken
+    whole (an object holding G's module and others gives them all); modules G reaches another way
+    (a computed name, an object that is not callable) are not found.
+    """
+    found, seen = [], set()
+
+    def visit(obj, level):
+        if id(obj) in seen or level < 0:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, nn.Module):
+            found.append(obj)
+        elif isinstance(obj, types.MethodType):
+            visit(obj.__self__, level)
+            visit(obj.__func__, level)
+        elif isinstance(obj, functools.partial):
+            for part in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(part, level - 1)
+        elif isinstance(obj, types.FunctionType):
+            cells = [cell.cell_contents for cell in obj.__closure__ or () if _filled(cell)]
+            named = [obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__]
+            for part in (*cells, *(obj.__defaults__ or ()), *named):
+                visit(part, level - 1)
+        elif isinstance(obj, (list, tuple, dict)):
+            for part in itertools.islice(obj.values() if isinstance(obj, dict) else obj, _ITEMS):
+                visit(part, level - 1)
+        elif callable(obj) and not isinstance(obj, type) and hasattr(obj, "__dict__"):
+            for part in vars(obj).values():
+                visit(part, level - 1)
+
+    visit(G, depth)
+    return list({id(module): module for root in found for module in root.modules()}.values())  # once each, in order
+
+
+def _filled(cell):
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure cell not assigned yet
+        return False
+    return True
