@@ -76,7 +76,7 @@ def cached_backward(f: Callable[[torch.Tensor], torch.Tensor], inputs: Union[tor
         for chunk in chunks:
             state = Snapshot(f, modules=states[0].modules if states else (), call=CALL)
             states.append(state)
-            with state.watching():
+            with state.watching(reads=True):
                 outputs += [_output(f, x) for x in chunk]
     # g runs between the passes: pass 2 must find f's parameters, its uncopied buffers and the inputs as pass 1 did.
     versions = Versions(CALL, f, states, [(f"inputs[{i}]", x) for i, x in enumerate(items)], owner="f",

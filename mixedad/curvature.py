@@ -81,13 +81,13 @@ class ZCurvature:
         self._versions: Optional[Versions] = None  # set once constructed; checked before every use
         self._snapshot = Snapshot(self._G, call=call)
         try:
-            with self._snapshot.watching():
+            with self._snapshot.watching(reads=True):
                 sliced = isinstance(segments, (str, int)) and isinstance(self._G, torch.nn.Sequential)
                 self._chain = Chain(call, split(call, self._G, segments), self._zs, whole=self._G if sliced else None)
                 if not isinstance(segments, str) and not isinstance(segments, int):
                     self._check_composition()
                 self._lam = None
-                self.f_gradient()  # f evaluated once here: a non-scalar f fails at construction, not at the first product
+                self._f_gradient()  # f evaluated once here: a non-scalar f fails at construction, not at the first product
                 if kind == "ggn":
                     self._lam = None  # the GGN's products do not use f's gradient
                 self._chain.output = None  # the products recompute G's output; the boundaries stay
@@ -189,12 +189,16 @@ class ZCurvature:
         _, mu = f_derivatives(self._call, self._f, self._y_leaves, self._y_spec, g_leaves, self._chain.spec,
                               tangents[-1])
         del g_leaves
-        return self._chain.hessian(self.f_gradient(), mu, tangents)[1]
+        return self._chain.hessian(self._f_gradient(), mu, tangents)[1]
 
     def f_gradient(self):
         r""":math:`\nabla_g f` at G's output (computed once, on first use), one entry per leaf of g."""
         if self._versions is not None:
             self._versions.check()  # a cached gradient is the state at construction's too
+        return self._f_gradient()
+
+    def _f_gradient(self):
+        """:meth:`f_gradient` inside a replay, where mixedad's own restores may have written buffers."""
         if self._lam is None:
             output = self._chain.output
             if output is None:  # dropped after construction: one forward pass of G again

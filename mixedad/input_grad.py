@@ -127,7 +127,7 @@ class _InputGrad(torch.autograd.Function):
         for c in meta.chunks:
             state = Snapshot(meta.G, modules=meta.states[0].modules if meta.states else (), call=CALL)
             meta.states.append(state)
-            with state.watching():
+            with state.watching(reads=True):
                 pieces, evaluated = gradient_chunk(CALL, meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec)
             if outs is None:
                 _record(meta, tensors)

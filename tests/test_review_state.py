@@ -1629,9 +1629,8 @@ def _restore_operator_state(p, state):
     set_global_random(randoms)
     for g, s in zip(p.gens, generators):
         g.set_state(s)
-    with torch.no_grad():
-        for b, saved in zip([b for m in _modules(p) for b in m.buffers(recurse=False)], buffers):
-            b.copy_(saved)
+    for b, saved in zip([b for m in _modules(p) for b in m.buffers(recurse=False)], buffers):
+        b.data.copy_(saved)  # no version bump: the naive graph kept saves buffers (batch norm's statistics)
 
 
 def mixedad_curv(p, kind="hessian", damping=0.0, keep_graph=False, **o):

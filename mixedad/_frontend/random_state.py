@@ -10,9 +10,8 @@ of them:
 - every ``torch.Generator`` that G's ops receive as ``generator=``.
 
 A ``torch.Generator`` cannot be found before G uses it: it is known from the first op that
-receives it inside :func:`watching` (a torch-function mode that reads each op's ``generator``
-argument; mixedad's own dispatch reads it itself and takes the mode off while it runs,
-:func:`watch_off`). Each watching state records a generator's state at first sight,
+receives it inside :func:`watching` (the watch of :mod:`mixedad._frontend.watch` reads each op's
+``generator`` argument; mixedad's own dispatch reads it itself). Each watching state records a generator's state at first sight,
 which is its state before the pass drew from it, and known generators are remembered for the
 process (weakly), so that every later capture takes their state up front. A generator that G
 drives from code no torch function sees (a C++ extension drawing from it) is not known.
@@ -26,16 +25,14 @@ import threading
 import weakref
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from mixedad._hooks.torch_function_stack import innermost, popped
+from mixedad._frontend import watch
 
-__all__ = ["RandomState", "watching", "watch_off", "watched", "note", "undone"]
+__all__ = ["RandomState", "watching", "undone"]
 
 #: Every torch.Generator an op of G received inside a watched pass, for the whole process (weakly held).
 _KNOWN: "weakref.WeakSet[torch.Generator]" = weakref.WeakSet()
 _KNOWN_LOCK = threading.Lock()
-_local = threading.local()
 
 
 def _numpy_random():
@@ -67,8 +64,11 @@ class RandomState:
         self.generators = {g: g.get_state() for g in known}
 
     def note(self, generator):
-        """Record ``generator``'s state now, if this state does not hold it yet (its first sight)."""
+        """Record ``generator``'s state now, if this state does not hold it yet (its first sight); every later
+        state captures it up front."""
         if generator not in self.generators:
+            with _KNOWN_LOCK:
+                _KNOWN.add(generator)
             self.generators[generator] = generator.get_state()
 
     def restore(self):
@@ -107,77 +107,9 @@ class RandomState:
         return not self.drawn()
 
 
-class _Watch(TorchFunctionMode):
-    """Reads the ``generator`` argument of every op (one mode per thread, shared by nested watches)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs:
-            note(kwargs.get("generator"))
-        return func(*args, **(kwargs or {}))
-
-
-def _recorders():
-    recorders = getattr(_local, "recorders", None)
-    if recorders is None:
-        recorders = _local.recorders = []
-    return recorders
-
-
-def note(generator):
-    """A ``generator=`` argument an op of G receives: every watching state records it at first sight."""
-    if generator is None or not isinstance(generator, torch.Generator):
-        return
-    recorders = getattr(_local, "recorders", None)
-    if not recorders:
-        return
-    with _KNOWN_LOCK:
-        _KNOWN.add(generator)
-    for state in recorders:
-        state.note(generator)
-
-
-@contextlib.contextmanager
 def watching(state):
     """Inside the block, ``state`` records every generator G's ops receive, at first sight."""
-    recorders = _recorders()
-    recorders.append(state)
-    try:
-        with watched():
-            yield state
-    finally:
-        recorders.remove(state)
-
-
-@contextlib.contextmanager
-def watched():
-    """Ops inside the block have their generators read, where states are watching and nothing reads them yet
-    (code that runs ops below mixedad's dispatch, such as a custom Function's forward)."""
-    if getattr(_local, "mode", None) is not None or not getattr(_local, "recorders", None):
-        yield
-        return
-    _local.mode = mode = _Watch()
-    try:
-        with mode:
-            yield
-    finally:
-        _local.mode = None
-
-
-@contextlib.contextmanager
-def watch_off():
-    """The watch mode off for the block, where it is the innermost torch-function mode: for a pass whose own
-    dispatch calls :func:`note` on every op (one mode fewer on every op), and for a tangent program, which draws
-    no random numbers and runs with no torch-function mode. Watches inside the block start a mode of their own."""
-    mode = getattr(_local, "mode", None)
-    if mode is None or not innermost(mode):
-        yield  # no watch, or another mode above it: it reads the ops itself
-        return
-    with popped(mode):
-        _local.mode = None
-        try:
-            yield
-        finally:
-            _local.mode = mode
+    return watch.observing("generators", state)
 
 
 @contextlib.contextmanager

@@ -42,7 +42,7 @@ import contextlib
 import torch
 from torch import nn
 
-from mixedad._frontend import random_state
+from mixedad._frontend import random_state, watch
 from mixedad._frontend.random_state import RandomState
 
 #: The largest buffer (in bytes) of an eval-mode module that every snapshot copies by value;
@@ -66,6 +66,8 @@ class Snapshot:
         self.rng = RandomState()
         self.saved, self.watched, self._seen, self.modules = [], [], set(), []
         self.attributes = []  # (module, {name: value}) of plain attributes
+        #: The tensors the passes watched with ``reads=True`` read that they did not make.
+        self.reads = watch.Reads()
         self._upfront = isinstance(G, nn.Module)
         for module in (G.modules() if self._upfront else modules):
             self._record(module)
@@ -110,18 +112,17 @@ class Snapshot:
                 entry.place(entry.tensor)
 
     @contextlib.contextmanager
-    def watching(self):
+    def watching(self, *, reads=False):
         """Record, before they first run, the generators G's ops receive and the modules a non-Module G calls
-        inside the block."""
-        with random_state.watching(self.rng):
-            if self._upfront:
-                yield self
-                return
-            handle = nn.modules.module.register_module_forward_pre_hook(self._record)
-            try:
-                yield self
-            finally:
-                handle.remove()
+        inside the block; with ``reads``, also every tensor its ops read that the block did not make
+        (:attr:`reads`, for a saved pass's :class:`~mixedad._frontend.versions.Versions`)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(random_state.watching(self.rng))
+            if reads:
+                stack.enter_context(watch.observing("reads", self.reads))
+            if not self._upfront:
+                stack.callback(nn.modules.module.register_module_forward_pre_hook(self._record).remove)
+            yield self
 
     def restore(self):
         """Put back the random state and every recorded buffer (object and values).

@@ -43,7 +43,7 @@ from torch.func import jvp, vjp
 from mixedad._entry import frozen, warn_once
 from mixedad._frontend.grad_mode import ReadGradMode
 from mixedad._frontend.nesting import one_pass
-from mixedad._frontend import random_state
+from mixedad._frontend import watch
 from mixedad._frontend.inputs import PassInputs, writable
 from mixedad._frontend.state import Snapshot
 from mixedad._programs.compiled import push_compiled, push_program
@@ -157,7 +157,7 @@ def forward_pass(rules):
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(FORWARD_PASS_LOCK)
-        stack.enter_context(random_state.watch_off())
+        stack.enter_context(watch.off())
         if dual_level_open():
             # PyTorch has one forward-AD level: inside the caller's own dual_level() neither dual
             # tensors nor torch.func.jvp can open another.

@@ -4,16 +4,21 @@ Four objects keep a pass and run it again later: ``input_grad``'s backward, a ``
 operator's products, ``implicit_argmin``'s backward and ``cached_backward``'s second pass. Each
 replays from a :class:`~mixedad._frontend.state.Snapshot` what the snapshot holds: the random
 state, the buffers it copied (those of train-mode modules, and the small ones of eval-mode
-modules), the buffer objects and the plain attributes (the train/eval mode too). Everything else
-the pass reads again is checked here, as autograd checks the tensors a graph saves, through
+modules), the buffer objects and the plain attributes (the train/eval mode too). What the pass
+reads again is checked here, as autograd checks the tensors a graph saves, through
 ``tensor._version``:
 
 - **the parameters** of G's modules, under their names in G's ``named_parameters()``: the same
   tensor object, at the same version (an in-place write under ``torch.no_grad()``, an optimizer
   step and ``load_state_dict`` all bump it; a replaced parameter is another object);
-- **the buffers the snapshot does not copy** (large buffers of eval-mode modules): the same
-  version (a replaced one is fine: the replay puts the recorded object back);
-- **the inputs the object keeps** (z, y's leaves, z_star): the same version.
+- **the buffers the snapshot does not copy** (large buffers of eval-mode modules), and **the
+  eval-mode buffers it copied that the saved pass read** (double backward saves those, as eval
+  batch norm's running statistics, and refuses a change): the same version (a replaced one is
+  fine: the replay puts the recorded object back). Train-mode buffers, and copied ones the pass did
+  not read (a step counter), are replayed from their copies;
+- **the inputs the object keeps** (z, y's leaves, z_star): the same version;
+- **every other tensor the saved pass read** that it did not make (a tensor G closes over, seen
+  by :mod:`mixedad._frontend.watch` while the pass ran): the same version.
 
 .. math::
 
@@ -110,7 +115,8 @@ class Versions:
         call: the public call, to open messages with.
         G: the module or callable whose state is recorded.
         snapshots: the snapshots the pass replays from (their modules, for a G that is not a
-            module, and the buffers they watch without copying).
+            module, the buffers they copied or watch, and the tensors the pass read: watch it with
+            ``snapshot.watching(reads=True)``).
         inputs: ``(label, tensor)`` pairs the object keeps (z, y's leaves, z_star).
         owner: how messages name G ("G", or "f" for ``cached_backward``).
         after: what the change came after, for messages ("the call that saved this backward pass").
@@ -122,7 +128,13 @@ class Versions:
         modules = []
         for snapshot in snapshots:
             modules += snapshot.modules
-        watched = {id(entry.tensor): entry for snapshot in snapshots for entry in snapshot.watched}
+        # The buffers snapshots watch without a copy, and the eval-mode ones they copied that the saved pass read
+        # (double backward saves those, as eval batch norm's running statistics, and refuses a change). Train-mode
+        # buffers, and copied ones the pass did not read, are replayed from their copies.
+        read = {id(t) for snapshot in snapshots for t in snapshot.reads.tensors}
+        watched = {id(entry.tensor): entry for snapshot in snapshots
+                   for entry in [*snapshot.watched, *(e for e in snapshot.saved if not e.always and id(e.tensor) in read)]}
+        replayed = {id(e.tensor) for snapshot in snapshots for e in snapshot.saved if e.always}
         self.params, self.buffers, seen = [], [], set()
         for root in _roots(G, modules):
             of = _owner_of(G, root, owner)
@@ -140,6 +152,9 @@ class Versions:
             label = f"the tensor {entry.name} of a {type(entry.module).__name__} that {owner} calls"
             self.buffers.append([label, entry.tensor, _version(entry.tensor)])
         self.inputs = [(label, t, _version(t)) for label, t in inputs if isinstance(t, torch.Tensor)]
+        known = seen | replayed | {id(b) for b in _buffers(G, modules)} | {id(t) for _, t, _ in self.inputs}
+        reads = {id(t): t for snapshot in snapshots for t in snapshot.reads.tensors if id(t) not in known}
+        self.reads = [(_read_label(t, owner), t, _version(t)) for t in reads.values()]
 
     def check(self):
         """Raise :class:`StateChangedError` if anything recorded changed since."""
@@ -151,7 +166,7 @@ class Versions:
                                 else "removed")
                 if _version(p) != version:
                     self._raise(f"the parameter {name} of {of}", "modified in place", version, _version(p))
-        for label, t, version in [*self.buffers, *self.inputs]:
+        for label, t, version in [*self.buffers, *self.inputs, *self.reads]:
             if _version(t) != version:
                 self._raise(label, "modified in place", version, _version(t))
 
@@ -177,6 +192,15 @@ class Versions:
             f"{self.call}: {what} was {how} after {self.after}{counts}. Computing with it would mix the state "
             f"saved then with the new one. {self.fix}"
         )
+
+
+def _buffers(G, modules):
+    return [b for root in _roots(G, modules) for b in root.buffers()]
+
+
+def _read_label(t, owner):
+    return (f"a tensor of shape {tuple(t.shape)} and dtype {str(t.dtype).replace('torch.', '')} that {owner} reads "
+            f"(neither a parameter nor a buffer of it: a tensor it closes over?)")
 
 
 #: How many items of a list, tuple or dict :func:`modules_reached` looks into.

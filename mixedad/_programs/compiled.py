@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from mixedad._entry import warn_once
-from mixedad._frontend.random_state import watch_off
+from mixedad._frontend.watch import off as watch_off
 from mixedad._frontend.state import Snapshot
 from mixedad._hooks.functorch import in_functorch_transform
 from mixedad._hooks.dispatch import only_observers_active

@@ -58,7 +58,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Uni
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from mixedad._frontend.random_state import note as note_generator
+from mixedad._frontend.watch import note_generator
 from mixedad._frontend.grad_mode import (GRAD_MODE_SETTERS, GRAPH_ATTRIBUTES, REQUIRES_GRAD, cannot_batch, no_graph,
                                          run_as_constant)
 from mixedad._hooks.composites import COMPOSITES, CompositeReentered, run_inside

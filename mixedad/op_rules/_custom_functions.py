@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixedad._frontend import random_state
+from mixedad._frontend import watch
 from mixedad._frontend.grad_mode import no_graph, run_as_constant
 from mixedad._hooks.checkpoint import CheckpointFunction, run_directly
 from mixedad._hooks.dual_level import any_tangent, unpack
@@ -98,7 +98,7 @@ def _local(rules, name, apply, args, kwargs, reason, batch=None):
         raise NeedsWholeG(f"{name} has no jvp, and the local rule is skipped")
     # The op runs plainly, as inside __torch_function__, where mixedad's dispatch does not note the generators its
     # forward draws from: the watch reads them.
-    with popped(rules), random_state.watched(), no_graph(), direct():
+    with popped(rules), watch.ops(), no_graph(), direct():
         result = local_jvp(rules.call, name, apply, args, kwargs, custom=True, batch=batch,
                            before_write=None if rules.inputs is None else functools.partial(
                                rules.inputs.watch_targets, name, batch=batch))
@@ -120,7 +120,7 @@ def _batched_custom_function(rules, batch, cls, name, apply, args, kwargs):
         leaves, spec = tree_flatten((args, kwargs))
         plain = [batch.lower_primal(unpack(t)[0]) if isinstance(t, torch.Tensor) and t.layout == torch.strided
                  else t for t in leaves]
-        with popped(rules), random_state.watched(), direct(), batch.plain(), torch.no_grad():
+        with popped(rules), watch.ops(), direct(), batch.plain(), torch.no_grad():
             plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in plain]
             call_args, call_kwargs = tree_unflatten(plain, spec)
             return apply(*call_args, **call_kwargs)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import mixedad
-from mixedad._frontend import random_state
+from mixedad._frontend import random_state, watch
 from mixedad._frontend.random_state import RandomState
 from mixedad.testing import assert_close
 
@@ -211,11 +211,11 @@ def test_the_watch_is_one_mode_taken_off_by_a_dispatch_that_notes_generators_its
         assert depth() == start + 1
         with random_state.watching(inner):
             assert depth() == start + 1  # nested watches share the mode
-            with random_state.watch_off():
+            with watch.off():
                 assert depth() == start
                 gen = torch.Generator().manual_seed(6)
-                random_state.note(gen)  # what mixedad's dispatch does for each op's generator
-                with random_state.watched():  # code below the dispatch: a mode of its own
+                watch.note_generator(gen)  # what mixedad's dispatch does for each op's generator
+                with watch.ops():  # code below the dispatch: a mode of its own
                     assert depth() == start + 1
             assert depth() == start + 1
     assert depth() == start

@@ -1,0 +1,138 @@
+"""One torch-function mode that sees a pass's ops before they run, for what mixedad records at first sight.
+
+Two kinds of observers register here, per thread, and share one mode (nested watches push no
+second one):
+
+- **random states** (:class:`mixedad._frontend.random_state.RandomState`): every
+  ``torch.Generator`` an op receives as ``generator=``, its state noted before it first draws;
+- **reads** (:class:`Reads`, for :mod:`mixedad._frontend.versions`): every tensor an op reads that
+  the pass did not make (a tensor G closes over, a parameter as G passes it).
+
+mixedad's own dispatch (:class:`mixedad.op_rules.OpRules`) notes generators itself and takes the
+mode off while it runs (:func:`off`), one mode fewer on every op of the per-op pass; reads are only
+watched in the passes a saved object records (reverse passes and plain ones), where the mode stays.
+"""
+import contextlib
+import threading
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mixedad._hooks.torch_function_stack import innermost, popped
+
+__all__ = ["Reads", "observing", "ops", "off", "note_generator", "generator_observers"]
+
+_local = threading.local()
+
+
+def _observers(kind):
+    found = getattr(_local, kind, None)
+    if found is None:
+        found = []
+        setattr(_local, kind, found)
+    return found
+
+
+def generator_observers():
+    """The random states watching in this thread (each has ``note(generator)``)."""
+    return getattr(_local, "generators", None) or ()
+
+
+def note_generator(generator):
+    """A ``generator=`` argument an op receives: every watching random state records it at first sight."""
+    if generator is None or not isinstance(generator, torch.Generator):
+        return
+    for state in generator_observers():
+        state.note(generator)
+
+
+class _Watch(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs:
+            note_generator(kwargs.get("generator"))
+        reads = getattr(_local, "reads", None)
+        if not reads:
+            return func(*args, **(kwargs or {}))
+        for r in reads:
+            r.before(args, kwargs)
+        out = func(*args, **(kwargs or {}))
+        for r in reads:
+            r.made(out)
+        return out
+
+
+class Reads:
+    """The tensors a pass's ops read that the pass did not make.
+
+    Attributes:
+        tensors: those tensors, in the order first read (held: G, or what it closes over, holds them anyway).
+    """
+
+    def __init__(self):
+        self.tensors = []
+        self._seen, self._made = set(), weakref.WeakValueDictionary()  # id -> tensor (a tensor's == is elementwise)
+
+    def before(self, args, kwargs):
+        for t in _tensors(args, kwargs):
+            if id(t) not in self._seen and self._made.get(id(t)) is not t:
+                self._seen.add(id(t))
+                self.tensors.append(t)
+
+    def made(self, out):
+        for t in _tensors(out, None):
+            self._made[id(t)] = t
+
+
+def _tensors(args, kwargs):
+    """The tensors among ``args`` and ``kwargs``, and one level into their lists and tuples (``torch.cat``)."""
+    for value in (*(args if isinstance(args, (tuple, list)) else (args,)), *(kwargs.values() if kwargs else ())):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from (t for t in value if isinstance(t, torch.Tensor))
+
+
+@contextlib.contextmanager
+def observing(kind, observer):
+    """Inside the block, ``observer`` sees the ops of this thread (``kind``: "generators" or "reads")."""
+    observers = _observers(kind)
+    observers.append(observer)
+    try:
+        with ops():
+            yield observer
+    finally:
+        observers.remove(observer)
+
+
+@contextlib.contextmanager
+def ops():
+    """The mode on for the block, where observers are registered and no mode of this thread runs yet (code below
+    mixedad's dispatch, such as a custom Function's forward, after :func:`off`)."""
+    if getattr(_local, "mode", None) is not None or not (generator_observers() or getattr(_local, "reads", None)):
+        yield
+        return
+    _local.mode = mode = _Watch()
+    try:
+        with mode:
+            yield
+    finally:
+        _local.mode = None
+
+
+@contextlib.contextmanager
+def off():
+    """The mode off for the block, where it is the innermost torch-function mode and no reads are watched: for a
+    pass whose own dispatch notes every op's generator (one mode fewer on every op), and for a tangent program,
+    which draws no random numbers and runs with no torch-function mode. Watches inside the block start a mode
+    of their own."""
+    mode = getattr(_local, "mode", None)
+    if mode is None or getattr(_local, "reads", None) or not innermost(mode):
+        yield  # nothing to take off, reads to watch, or another mode above it (which the ops reach first)
+        return
+    with popped(mode):
+        _local.mode = None
+        try:
+            yield
+        finally:
+            _local.mode = mode
