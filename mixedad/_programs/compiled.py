@@ -10,7 +10,9 @@ Per G and per key (:mod:`mixedad._programs.key`), the first call that takes a pr
    compares every output and every tangent (G's state then ends as the per-op pass left it). A
    compiler that drops or changes a tangent (PyTorch's inductor has: pytorch#187284, #192985), or
    a program of mixedad's that differs, fails this check: the key takes the per-op pass from then
-   on, with a warning. The call returns the per-op pass's numbers.
+   on, with a warning. The call returns the per-op pass's numbers. The default's check (no compiler)
+   runs the program first and keeps only a sketch of its outputs (:mod:`mixedad._programs.sketch`),
+   so that one pass's outputs are alive at a time and the call's peak is that of the per-op pass.
 
 Later calls with the key run the program alone. A compile or run that raises falls back to the
 per-op pass with a warning too. :func:`push_compiled` takes a program from a key's first call;
@@ -34,6 +36,7 @@ from mixedad._hooks.dispatch import only_observers_active
 from mixedad._hooks.meta_trace import modes_active
 from mixedad._hooks.thread_local import setting
 from mixedad._programs.key import key_of
+from mixedad._programs import sketch
 from mixedad._programs.program import write
 from mixedad._programs.trace import Unsupported
 
@@ -288,7 +291,7 @@ def push_program(call, G, zs, vs, eager_push):
     (:func:`mixedad._programs.trace.chain`): no code of the user's is traced, so nothing it reads
     outside the key can go stale. The per-op pass is the default's first call for G and these inputs'
     layouts, and every call of any other G: nothing is written for a G called once. The second call writes the program, runs it
-    and the per-op pass from the same state and compares them (as ``compile=True`` does); from then
+    and the per-op pass from the same state and compares them, one pass's outputs alive at a time; from then
     on the program runs alone, with no per-op dispatch. G's refusals are silent: the per-op pass is
     mixedad's own path, not a fallback. A program that differs from the per-op pass, or raises, is
     dropped with a warning (mixedad's own error, to report).
@@ -390,13 +393,10 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
     if not check:
         entry.spec, entry.status, entry.run = program.spec, "compiled", _program_fn(entry, batch, len(zs))
         return _run(call, G, zs, vs, eager_push, entry)
+    if not compile:
+        return _check_one_pass_at_a_time(call, G, zs, vs, eager_push, entry)
     before = Snapshot(G, call=call)
-    try:
-        g_leaves, tangent_leaves, spec = eager_push()
-    except Exception as error:
-        entry.reason = f"the eager pass it is checked against refused these inputs ({str(error).strip()[:300]})"
-        raise
-    entry.spec = spec
+    g_leaves, tangent_leaves, spec = _checked_against(entry, eager_push)
     after = Snapshot(G, call=call)  # the random state and buffers one forward leaves
     before.restore()
     if compile:
@@ -436,6 +436,50 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
         if compile:
             print(f"mixedad: compiled in {entry.compile_seconds:.1f} s; matches the eager pass (largest relative "
                   f"difference {difference:.1e}).", file=sys.stderr, flush=True)
+    return g_leaves, tangent_leaves, spec
+
+
+def _checked_against(entry, eager_push):
+    """The per-op pass a program is checked against, run; its refusal is noted on ``entry`` and raised."""
+    try:
+        g_leaves, tangent_leaves, entry.spec = eager_push()
+    except Exception as error:
+        entry.reason = f"the eager pass it is checked against refused these inputs ({str(error).strip()[:300]})"
+        raise
+    return g_leaves, tangent_leaves, entry.spec
+
+
+def _check_one_pass_at_a_time(call, G, zs, vs, eager_push, entry):
+    """The default's check, with one pass's outputs alive at a time, so that its peak is the larger pass's: the
+    program runs first and only a sketch of its outputs is kept (:mod:`mixedad._programs.sketch`), then the per-op
+    pass runs from the same random state and buffers, is sketched the same way, and its numbers are returned (G's
+    state ends as it left it)."""
+    before = Snapshot(G, call=call)
+    run = _program_fn(entry, 0, len(zs))
+    try:
+        with torch.no_grad():
+            primals, tangents = run(*zs, *vs)
+        program = sketch.sketches(primals), sketch.sketches(tangents)
+        del primals, tangents
+    except Exception as error:  # noqa: BLE001 - a program that raises is dropped
+        _fall_back(call, G, entry, f"mixedad's tangent program fails on these inputs ({_first_line(error)}); please "
+                                   f"report it with G's code")
+        before.restore()
+        return eager_push()
+    before.restore()
+    del before  # its copies of G's buffers: the per-op pass takes its own
+    g_leaves, tangent_leaves, spec = _checked_against(entry, eager_push)
+    bounds = dict(round_off=ROUND_OFF, cap=ROUND_OFF_CAP)
+    entry.difference = difference = max(
+        sketch.differs(program[0], sketch.sketches(g_leaves), sketch.rms_floor(zs), **bounds),
+        sketch.differs(program[1], sketch.sketches(tangent_leaves), sketch.rms_floor(vs), **bounds))
+    tolerance = EAGER_TOLERANCE.get(zs[0].dtype, _EAGER_REDUCED)
+    if not difference <= tolerance:
+        _fall_back(call, G, entry, f"the tangent program differs from mixedad's per-op pass (largest relative "
+                                   f"difference {difference:.3g}, tolerance {tolerance:g}): mixedad's program is "
+                                   f"wrong here; please report it with G's code")
+    else:
+        entry.status, entry.run = "compiled", run
     return g_leaves, tangent_leaves, spec
 
 
