@@ -454,10 +454,13 @@ def _check_one_pass_at_a_time(call, G, zs, vs, eager_push, entry):
     program runs first and only a sketch of its outputs is kept (:mod:`mixedad._programs.sketch`), then the per-op
     pass runs from the same random state and buffers, is sketched the same way, and its numbers are returned (G's
     state ends as it left it)."""
+    from mixedad._frontend.tangents import FORWARD_PASS_LOCK
+
     before = Snapshot(G, call=call)
     run = _program_fn(entry, 0, len(zs))
     try:
-        with torch.no_grad():
+        # G's modules run, which torch.fx patches while another thread traces: wait for it, as the per-op pass does
+        with FORWARD_PASS_LOCK, torch.no_grad():
             primals, tangents = run(*zs, *vs)
         program = sketch.sketches(primals), sketch.sketches(tangents)
         del primals, tangents
