@@ -399,8 +399,7 @@ def test_layouts_and_zero_tangents_are_planned_as_the_cpu_runs_them(name):
     contiguous on meta, so the VAE decoder, whose attention returns one, was planned 0.78x its mixed_grad peak
     (mixedad._planner.layouts); a forward-AD product with a zero tangent computes its size on meta copies, which
     plans counted, so fused modulated convolutions, whose weights carry the tangent, were planned up to 1.14x
-    (mixedad._hooks.zero_tensors). input_grad through a channels-last group norm is planned high (its backward's
-    copies on meta; tests/_planner/test_layouts.py)."""
+    (mixedad._hooks.zero_tensors)."""
     G, z = LAYOUT_MODELS[name]()
     G.requires_grad_(False)
     with torch.no_grad():
@@ -408,7 +407,4 @@ def test_layouts_and_zero_tangents_are_planned_as_the_cpu_runs_them(name):
     predicted = plan(f, G, z, y, device="cpu", methods=tuple(PLAN_METHODS))
     for method, planned in predicted.peaks.items():
         _, measured = peak_memory(PLAN_METHODS[method], f, G, (z,), y)
-        if method == "input_grad":
-            assert planned >= measured, (method, planned, measured)
-        else:
-            assert abs(planned - measured) <= 0.02 * measured, (method, planned, measured)
+        assert abs(planned - measured) <= 0.02 * measured, (method, planned, measured)

@@ -24,15 +24,16 @@ one op the dtype and size, of what the device allocates):
 - on the CPU, ``native_group_norm`` and its backward, ``pixel_shuffle``, ``pixel_unshuffle`` and
   the reflection and replication pads and their backward keep their input's suggested memory
   format (meta's kernels are contiguous; ``F.group_norm`` itself, whose CPU composite keeps the
-  layout, is emulated by :class:`~mixedad._planner.target.TargetDevice`).
+  layout, is emulated by :class:`~mixedad._planner.target.TargetDevice`), and so do the copies of
+  group norm's first-order backward formula (``clone`` inside ``NativeGroupNormBackward0``: to
+  contiguous on every other device, meta included; none for a channels-last tensor on the CPU).
 
-Not emulated: a channels-last group norm's first-order backward on the CPU, whose autograd formula
-copies the gradient and the input to contiguous ones on any device but the CPU, meta included
-(``input_grad`` through one is planned high by those copies, never low); on CUDA, the layouts of
-ops other than convolutions take meta's (contiguous, as CUDA's group norm is).
+On CUDA, the layouts of ops other than convolutions take meta's (contiguous, as CUDA's group norm
+is).
 """
 import torch
 
+from mixedad._hooks.backward_node import running_backward
 from mixedad._hooks.conv_layouts import conv_memory_format, in_memory_format, suggest_memory_format
 from mixedad._hooks.dispatch import TorchDispatchMode
 from mixedad._hooks.pytree import tree_leaves
@@ -91,10 +92,20 @@ def _cpu_batch_norm(device, a, out):
     return (out[0], *(torch.empty(size, dtype=dtype, device=x.device) for _ in range(2)))
 
 
+def _cpu_group_norm_backward_copy(device, a, out):
+    """Group norm's first-order backward formula copies its gradient and saved input to contiguous tensors on every
+    device but the CPU, where it keeps their suggested memory format (a channels-last one stays)."""
+    if device != "cpu" or running_backward() != "NativeGroupNormBackward0" or \
+            a.get("memory_format") != torch.contiguous_format:
+        return out
+    return a["self"].contiguous(memory_format=suggest_memory_format(a["self"]))
+
+
 #: aten op -> rule(device, bound arguments, meta output) -> the output in the device's layout.
 LAYOUTS = {
     aten.convolution.default: _convolution,
     aten.convolution_backward.default: _convolution_backward,
+    aten.clone.default: _cpu_group_norm_backward_copy,
     aten.native_batch_norm.default: _cpu_batch_norm,
     aten.native_group_norm.default: _cpu_keeps("input"),
     aten.native_group_norm_backward.default: _cpu_keeps("input"),
