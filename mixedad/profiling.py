@@ -16,6 +16,7 @@ import torch
 from mixedad._hooks.dispatch import TorchDispatchMode
 
 from mixedad._hooks.pytree import tree_leaves
+from mixedad._hooks.zero_tensors import inside_meta_kernel
 from mixedad._planner.meta import PlanError
 
 __all__ = ["StorageCounter", "peak_memory", "cuda_peak_memory", "cpu_peak_memory", "median_time", "plan", "Plan",
@@ -227,14 +228,17 @@ def median_time(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> 
 
 
 class _PlanCounter(StorageCounter):
-    """A meta :class:`StorageCounter` that names the op when one cannot run on meta tensors, and notes whether a
-    convolution ran (``convolutions``)."""
+    """A meta :class:`StorageCounter` that names the op when one cannot run on meta tensors, notes whether a
+    convolution ran (``convolutions``), and leaves out the meta ops PyTorch's zero-tensor kernels run on every device
+    (:mod:`mixedad._hooks.zero_tensors`), which a device run does not count either."""
 
     convolutions = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in _CONVOLUTIONS:
             self.convolutions = True
+        if inside_meta_kernel(func):  # meta on every device: a device run counts nothing here either
+            return func(*args, **(kwargs or {}))
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except (RuntimeError, NotImplementedError) as error:
@@ -347,9 +351,12 @@ def plan(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Any, y: Any, 
     meta parameters and buffers in place of its own (``torch.func.functional_call``), so G is left
     untouched; a G built under ``torch.device("meta")`` runs as it is. Each method runs once on
     those copies under an exact storage count, with ``device``'s fused attention emulated
-    (:mod:`mixedad._planner.target`); mixedad's per-op rules take the same paths on meta as on
-    real tensors. On CPU-sized generators the plan equals :func:`peak_memory` within 2% (tested);
-    a CUDA allocator adds its block rounding and cache on top of these live bytes.
+    (:mod:`mixedad._planner.target`) and its kernels' output layouts (:mod:`mixedad._planner.layouts`:
+    a convolution of a channels-last input stays channels-last on the CPU and with cuDNN); the meta
+    ops PyTorch runs inside its zero-tensor kernels, on every device, are not counted. mixedad's
+    per-op rules take the same paths on meta as on real tensors. On CPU-sized generators the plan
+    equals :func:`peak_memory` within 2% (tested); a CUDA allocator adds its block rounding and
+    cache on top of these live bytes.
 
     Args:
         f, G, z, y: as for :func:`mixedad.mixed_grad`; tensors anywhere (they are not read).
@@ -380,6 +387,7 @@ def plan(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Any, y: Any, 
     from mixedad import _checks
     from mixedad._planner.meta import meta_generator, meta_tree
     from mixedad._frontend.state import Snapshot
+    from mixedad._planner.layouts import TargetLayouts
     from mixedad._planner.target import DEVICES, TargetDevice, planning_for
     from mixedad.op_rules._probes import new_plan
 
@@ -405,7 +413,8 @@ def plan(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Any, y: Any, 
             for method in methods:
                 start = time.perf_counter()
                 new_plan()  # each method's run counts the probes of a first call
-                with TargetDevice(device), planning_for(device), _PlanCounter(meta=True) as counter:
+                with TargetDevice(device), planning_for(device), TargetLayouts(device), \
+                        _PlanCounter(meta=True) as counter:
                     PLAN_METHODS[method](f, G_meta, zs, y_meta)
                 peaks[method], seconds[method] = counter.peak, time.perf_counter() - start
                 convolutions = convolutions or counter.convolutions

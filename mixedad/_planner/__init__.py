@@ -4,5 +4,8 @@ r"""Memory plans on meta tensors: the pieces behind :func:`mixedad.profiling.pla
   meta tensors of the same sizes for the call; G itself untouched), and :class:`PlanError` for
   what cannot run on meta.
 - :mod:`mixedad._planner.target`: the kernel choices of the target device, emulated on meta
-  (fused attention).
+  (fused attention, the CPU's group norm).
+- :mod:`mixedad._planner.layouts`: the layouts the target device's kernels give their outputs
+  (convolutions on the CPU and with cuDNN; group norm, pixel shuffle and pads on the CPU).
+- :mod:`mixedad._planner.models`: the generators ``python -m mixedad plan`` builds at real sizes.
 """

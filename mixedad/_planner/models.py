@@ -64,23 +64,30 @@ def _gpt2_medium(batch, resolution, dtype):
     with torch.device("meta"):
         model = transformers.GPT2Model(config).to(dtype).eval()
     z = torch.empty(batch, resolution, 1024, device="meta", dtype=dtype)
-    return model_call(model), z, torch.empty_like(z), f"GPT-2-medium (24 layers, 1024 wide, SDPA), {resolution} tokens"
+    return gpt2_call(model), z, torch.empty_like(z), f"GPT-2-medium (24 layers, 1024 wide, SDPA), {resolution} tokens"
 
 
-class model_call(torch.nn.Module):
-    """A transformers model as G: input embeddings to the last hidden state."""
+class gpt2_call(torch.nn.Module):
+    """GPT-2 as G: input embeddings to the last hidden state, causal, as ``GPT2Model`` runs without a mask.
+
+    Given no attention mask, transformers checks the position ids for packed sequences (reading values, which meta
+    tensors do not have), finds none, and leaves the causal mask to SDPA (``is_causal=True``, no mask tensor, so a
+    fused kernel runs). This runs the same modules with that decision made: positions, dropout, each block with no
+    mask, the final norm; no KV cache kept (a generator, not a decoder).
+    """
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def forward(self, embeddings):
-        # No KV cache kept (a generator, not a decoder). transformers reads mask values to choose its
-        # mask (a packed-sequence check, an all-ones check); a ready 4D causal mask, as it builds for a
-        # padded batch, spares both.
-        b, t = embeddings.shape[:2]
-        mask = torch.zeros(b, 1, t, t, dtype=embeddings.dtype, device=embeddings.device)
-        return self.model(inputs_embeds=embeddings, attention_mask=mask, use_cache=False).last_hidden_state
+        m = self.model
+        positions = torch.arange(embeddings.shape[1], device=embeddings.device)[None]
+        hidden = m.drop(embeddings + m.wpe(positions))
+        for block in m.h:
+            out = block(hidden, None, None, use_cache=False)  # no mask: SDPA applies the causal one itself
+            hidden = out[0] if isinstance(out, tuple) else out  # transformers' versions differ
+        return m.ln_f(hidden)
 
 
 def _sd_vae(batch, resolution, dtype):

@@ -21,13 +21,17 @@ numbers (HF's ``finfo.min`` padding): meta has no values to tell, so such a plan
 scores where the CPU or GPU would take the fused kernel, never low. A mask G closes over (a plain
 attribute, which ``functional_call`` does not make meta) has values: it stands as a meta tensor of
 its shape, and that choice is exact. Grouped query heads take the fused kernel where
-:func:`~mixedad._hooks.attention_backends.fused_kernel_would_run` says the device does. What is not emulated, and so planned as the composite path: the
-``nn.TransformerEncoderLayer`` / ``nn.MultiheadAttention`` fast path and device-specific output
-layouts (GroupNorm on channels_last). Fused RNNs (``nn.LSTM`` / ``GRU`` / ``RNN``) are refused:
+:func:`~mixedad._hooks.attention_backends.fused_kernel_would_run` says the device does. ``F.group_norm`` on a CPU plan
+runs as the CPU's composite runs it, in its input's layout (meta's and CUDA's copy a channels-last input to a
+contiguous one); the layouts of other ops' outputs are :mod:`mixedad._planner.layouts`'. What is not emulated, and
+so planned as the composite path: the ``nn.TransformerEncoderLayer`` / ``nn.MultiheadAttention`` fast path. Fused
+RNNs (``nn.LSTM`` / ``GRU`` / ``RNN``) are refused:
 their memory is that of the device's kernel (cuDNN's reserve space, oneDNN's workspace), which a
 run on meta does not see; measured against the CPU, it held 0.1x to 0.3x of the real peak, a
 plan that would say "fits" where the card overflows.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -35,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from mixedad._hooks.attention_backends import (fused_attention_enabled, fused_kernel_would_run, meta_stand_in,
                                                 planning_for)
 from mixedad._hooks.composites import COMPOSITES, run_inside
+from mixedad._hooks.conv_layouts import suggest_memory_format
 from mixedad._planner.meta import PlanError
 from mixedad.op_rules._rnn import FUSED_RNNS
 
@@ -47,7 +52,7 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 
 class TargetDevice(TorchFunctionMode):
-    """Emulate ``device``'s fused attention on meta tensors (see the module docstring)."""
+    """Emulate ``device``'s fused attention (and the CPU's group norm) on meta tensors (see the module docstring)."""
 
     def __init__(self, device):
         super().__init__()
@@ -62,6 +67,8 @@ class TargetDevice(TorchFunctionMode):
                 f"and a plan would read far too low. Measure it on the device with mixedad.profiling.peak_memory.")
         if func in COMPOSITES:  # nn.MultiheadAttention's Python body: its inner SDPA is emulated too
             return run_inside(self, func, args, kwargs)
+        if func in (F.group_norm, torch.group_norm) and self.device == "cpu" and _meta_input(args, kwargs):
+            return _cpu_group_norm(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             bound = dict(zip(_SDPA_ARGS, args), **kwargs)
             q, k, v, mask = bound["query"], bound["key"], bound["value"], bound.get("attn_mask")
@@ -83,6 +90,21 @@ class TargetDevice(TorchFunctionMode):
                 # An additive mask on meta under a graph: input_grad's forward takes the math backend where some row
                 # is masked only by large finite numbers, which meta cannot tell; planned so (high, never low).
         return func(*args, **kwargs)
+
+
+def _meta_input(args, kwargs):
+    x = args[0] if args else kwargs.get("input")
+    return isinstance(x, torch.Tensor) and x.is_meta
+
+
+def _cpu_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+    """``torch.group_norm`` as its CPU composite runs it: the input in its own suggested memory format (meta's and
+    CUDA's composite copy it to a contiguous one), then ``native_group_norm`` (whose output
+    :mod:`mixedad._planner.layouts` lays out as the CPU kernel does)."""
+    x = input.contiguous(memory_format=suggest_memory_format(input))
+    gamma, beta = (None if t is None else t.contiguous() for t in (weight, bias))
+    return torch.native_group_norm(x, gamma, beta, input.shape[0], input.shape[1], math.prod(input.shape[2:]),
+                                   num_groups, eps)[0]
 
 
 def _fused_outputs(q, v, mask, device):

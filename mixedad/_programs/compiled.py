@@ -10,7 +10,9 @@ Per G and per key (:mod:`mixedad._programs.key`), the first call that takes a pr
    compares every output and every tangent (G's state then ends as the per-op pass left it). A
    compiler that drops or changes a tangent (PyTorch's inductor has: pytorch#187284, #192985), or
    a program of mixedad's that differs, fails this check: the key takes the per-op pass from then
-   on, with a warning. The call returns the per-op pass's numbers.
+   on, with a warning. The call returns the per-op pass's numbers. The default's check (no compiler)
+   runs the program first and keeps only a sketch of its outputs (:mod:`mixedad._programs.sketch`),
+   so that one pass's outputs are alive at a time and the call's peak is that of the per-op pass.
 
 Later calls with the key run the program alone. A compile or run that raises falls back to the
 per-op pass with a warning too. :func:`push_compiled` takes a program from a key's first call;
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from mixedad._entry import warn_once
+from mixedad._frontend import random_state
 from mixedad._frontend.watch import off as watch_off
 from mixedad._frontend.state import Snapshot
 from mixedad._hooks.functorch import in_functorch_transform
@@ -37,6 +40,7 @@ from mixedad._hooks.thread_local import setting
 from mixedad.op_rules import PathRecorder
 from mixedad.op_rules._user import generation
 from mixedad._programs.key import key_of
+from mixedad._programs import sketch
 from mixedad._programs.program import write
 from mixedad._programs.trace import Unsupported
 
@@ -296,7 +300,7 @@ def push_program(call, G, zs, vs, eager_push):
     (:func:`mixedad._programs.trace.chain`): no code of the user's is traced, so nothing it reads
     outside the key can go stale. The per-op pass is the default's first call for G and these inputs'
     layouts, and every call of any other G: nothing is written for a G called once. The second call writes the program, runs it
-    and the per-op pass from the same state and compares them (as ``compile=True`` does); from then
+    and the per-op pass from the same state and compares them, one pass's outputs alive at a time; from then
     on the program runs alone, with no per-op dispatch. G's refusals are silent: the per-op pass is
     mixedad's own path, not a fallback. A program that differs from the per-op pass, or raises, is
     dropped with a warning (mixedad's own error, to report).
@@ -403,9 +407,10 @@ def _describe_inputs_of(entry):
 
 
 def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
-    """Write, run eager, run the program (compiled, if ``compile``) from the same state, compare; G's state ends
-    as eager left it, and the eager numbers are returned. Without ``check`` (tests of the program itself),
-    the program alone runs, and its numbers are returned."""
+    """Write the program, and check it: the default's (:func:`_check_one_pass_at_a_time`), or ``compile``'s: run
+    eager, then the compiled program from the same state, and compare; G's state ends as eager left it, and the
+    eager numbers are returned. Without ``check`` (tests of the program itself), the program alone runs, and its
+    numbers are returned."""
     entry.compiled = compile
     try:
         program = write(G, zs, trace_code=compile)
@@ -416,57 +421,42 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
     if not check:
         entry.spec, entry.status, entry.run = program.spec, "compiled", _program_fn(entry, batch, len(zs))
         return _run(call, G, zs, vs, eager_push, entry)
-    before, seen = Snapshot(G, call=call), PathRecorder()
-    try:
-        with before.watching():
-            g_leaves, tangent_leaves, spec = eager_push(recorder=seen)
-    except Exception as error:
-        entry.reason = f"the eager pass it is checked against refused these inputs ({str(error).strip()[:300]})"
-        raise
-    entry.spec = spec
-    refusal = _unprogrammable(seen, before.rng.drawn())
+    if not compile:
+        return _check_one_pass_at_a_time(call, G, zs, vs, eager_push, entry)
+    before = Snapshot(G, call=call)
+    g_leaves, tangent_leaves, spec, refusal = _checked_against(entry, eager_push, before.rng)
     if refusal is not None:  # what the eager pass saw that a program cannot do: nothing to check, G keeps that pass
-        _fall_back(call, G, entry, refusal, warn=compile)
+        _fall_back(call, G, entry, refusal)
         return g_leaves, tangent_leaves, spec
     after = Snapshot(G, call=call)  # the random state and buffers one forward leaves
     before.restore()
-    if compile:
-        print(f"mixedad: compiling the tangent program of {type(G).__name__} for inputs {_describe_inputs(zs)}"
-              f"{f' and {batch} tangents' if batch else ''} (once per G, shapes and dtypes) ...", file=sys.stderr,
-              flush=True)
+    print(f"mixedad: compiling the tangent program of {type(G).__name__} for inputs {_describe_inputs(zs)}"
+          f"{f' and {batch} tangents' if batch else ''} (once per G, shapes and dtypes) ...", file=sys.stderr,
+          flush=True)
     start = time.perf_counter()
     try:
-        run = _compile(entry, batch, len(zs)) if compile else _program_fn(entry, batch, len(zs))
+        run = _compile(entry, batch, len(zs))
         with torch.no_grad():
             primals, tangents = run(*zs, *vs)
     except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
-        _fall_back(call, G, entry, _blame(entry, batch, zs, vs, error, before) if compile else
-                   f"mixedad's tangent program fails on these inputs ({_first_line(error)}); please report it "
-                   f"with G's code")
+        _fall_back(call, G, entry, _blame(entry, batch, zs, vs, error, before))
         after.restore()
         return g_leaves, tangent_leaves, spec
-    if compile:
-        entry.compile_seconds = time.perf_counter() - start
+    entry.compile_seconds = time.perf_counter() - start
     after.restore()
     difference = max(_differs(list(primals), g_leaves, zs), _differs(list(tangents), tangent_leaves, vs))
     entry.difference = difference
-    tolerance = TOLERANCE.get(zs[0].dtype, _REDUCED) if compile else EAGER_TOLERANCE.get(zs[0].dtype, _EAGER_REDUCED)
+    tolerance = TOLERANCE.get(zs[0].dtype, _REDUCED)
     if not difference <= tolerance:
-        if compile:
-            own = _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after)
-            culprit = ("mixedad's tangent program itself differs, run without the compiler (relative difference "
-                       f"{own:.3g}); please report it with G's code" if not own <= tolerance else "a compiler bug")
-            what = "compiled tangent program differs from the eager pass"
-        else:
-            culprit = "mixedad's program is wrong here; please report it with G's code"
-            what = "tangent program differs from mixedad's per-op pass"
-        _fall_back(call, G, entry, f"the {what} (largest relative difference {difference:.3g}, tolerance "
-                                   f"{tolerance:g}): {culprit}")
+        own = _own_difference(entry, batch, zs, vs, g_leaves, tangent_leaves, before, after)
+        culprit = ("mixedad's tangent program itself differs, run without the compiler (relative difference "
+                   f"{own:.3g}); please report it with G's code" if not own <= tolerance else "a compiler bug")
+        _fall_back(call, G, entry, f"the compiled tangent program differs from the eager pass (largest relative "
+                                   f"difference {difference:.3g}, tolerance {tolerance:g}): {culprit}")
     else:
         entry.status, entry.run = "compiled", run
-        if compile:
-            print(f"mixedad: compiled in {entry.compile_seconds:.1f} s; matches the eager pass (largest relative "
-                  f"difference {difference:.1e}).", file=sys.stderr, flush=True)
+        print(f"mixedad: compiled in {entry.compile_seconds:.1f} s; matches the eager pass (largest relative "
+              f"difference {difference:.1e}).", file=sys.stderr, flush=True)
     return g_leaves, tangent_leaves, spec
 
 
@@ -482,6 +472,61 @@ def _unprogrammable(seen, drawn):
         return (f"G draws random numbers ({', '.join(drawn)}), which a program would draw otherwise, or bake in as "
                 f"constants")
     return None
+
+
+def _checked_against(entry, eager_push, sources):
+    """The per-op pass a program is checked against, run: ``(g_leaves, tangent_leaves, spec, refusal)``, where
+    ``refusal`` says what it saw that a program cannot do (:func:`_unprogrammable`; the random ``sources`` as they
+    were before it), or is None. Its failure is noted on ``entry`` and raised."""
+    seen = PathRecorder()
+    try:
+        with random_state.watching(sources):
+            g_leaves, tangent_leaves, entry.spec = eager_push(recorder=seen)
+    except Exception as error:
+        entry.reason = f"the eager pass it is checked against refused these inputs ({str(error).strip()[:300]})"
+        raise
+    return g_leaves, tangent_leaves, entry.spec, _unprogrammable(seen, sources.drawn())
+
+
+def _check_one_pass_at_a_time(call, G, zs, vs, eager_push, entry):
+    """The default's check, with one pass's outputs alive at a time, so that its peak is the larger pass's: the
+    program runs first and only a sketch of its outputs is kept (:mod:`mixedad._programs.sketch`), then the per-op
+    pass runs from the same random state and buffers, is sketched the same way, and its numbers are returned (G's
+    state ends as it left it)."""
+    from mixedad._frontend.tangents import FORWARD_PASS_LOCK
+
+    before = Snapshot(G, call=call)
+    run = _program_fn(entry, 0, len(zs))
+    try:
+        # G's modules run, which torch.fx patches while another thread traces: wait for it, as the per-op pass does
+        with FORWARD_PASS_LOCK, torch.no_grad():
+            primals, tangents = run(*zs, *vs)
+        program = sketch.sketches(primals), sketch.sketches(tangents)
+        del primals, tangents
+    except Exception as error:  # noqa: BLE001 - a program that raises is dropped
+        _fall_back(call, G, entry, f"mixedad's tangent program fails on these inputs ({_first_line(error)}); please "
+                                   f"report it with G's code")
+        before.restore()
+        return eager_push()
+    before.restore()
+    sources = before.rng
+    del before  # its copies of G's buffers: the per-op pass takes its own
+    g_leaves, tangent_leaves, spec, refusal = _checked_against(entry, eager_push, sources)
+    if refusal is not None:  # the program's numbers are not used (a chain never writes its input: trace.chain)
+        _fall_back(call, G, entry, refusal, warn=False)
+        return g_leaves, tangent_leaves, spec
+    bounds = dict(round_off=ROUND_OFF, cap=ROUND_OFF_CAP)
+    entry.difference = difference = max(
+        sketch.differs(program[0], sketch.sketches(g_leaves), sketch.rms_floor(zs), **bounds),
+        sketch.differs(program[1], sketch.sketches(tangent_leaves), sketch.rms_floor(vs), **bounds))
+    tolerance = EAGER_TOLERANCE.get(zs[0].dtype, _EAGER_REDUCED)
+    if not difference <= tolerance:
+        _fall_back(call, G, entry, f"the tangent program differs from mixedad's per-op pass (largest relative "
+                                   f"difference {difference:.3g}, tolerance {tolerance:g}): mixedad's program is "
+                                   f"wrong here; please report it with G's code")
+    else:
+        entry.status, entry.run = "compiled", run
+    return g_leaves, tangent_leaves, spec
 
 
 def _first_line(error):

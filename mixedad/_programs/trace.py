@@ -213,6 +213,9 @@ def chain(G, zs):
                 raise Unsupported(f"layer {prefix}{name} is {no_rule(child)}")
 
     flatten(G, "")
+    if layers and getattr(layers[0][1], "inplace", False) is True:
+        # it writes G's input, the caller's z (and a program's tangent rule, v): mixedad's per-op pass copies them
+        raise Unsupported(f"layer {layers[0][0]} writes G's input in place (inplace=True)")
     graph = fx.Graph()
     x = graph.placeholder("z")
     z = zs[0]
