@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import mixedad
-from mixedad._frontend import random_state, watch
+from mixedad._frontend import random_state
 from mixedad._frontend.random_state import RandomState
 from mixedad.testing import assert_close
 
@@ -201,22 +201,3 @@ def test_a_random_state_holds_every_source_and_restores_them_all():
     assert state.is_current()
     after = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1], gen.get_state())
     assert all(_same(a, b) for a, b in zip(before, after))
-
-
-def test_the_watch_is_one_mode_taken_off_by_a_dispatch_that_notes_generators_itself():
-    depth = torch._C._len_torch_function_stack
-    start = depth()
-    outer, inner = RandomState(), RandomState()
-    with random_state.watching(outer):
-        assert depth() == start + 1
-        with random_state.watching(inner):
-            assert depth() == start + 1  # nested watches share the mode
-            with watch.off():
-                assert depth() == start
-                gen = torch.Generator().manual_seed(6)
-                watch.note_generator(gen)  # what mixedad's dispatch does for each op's generator
-                with watch.ops():  # code below the dispatch: a mode of its own
-                    assert depth() == start + 1
-            assert depth() == start + 1
-    assert depth() == start
-    assert gen in outer.generators and gen in inner.generators
