@@ -151,7 +151,7 @@ def _forward(call, G, zs, vs, rules, *, inputs=None):
 def forward_pass(rules):
     """What every forward pass of mixedad runs in: its turn at PyTorch's one forward-AD level,
     grad enabled, attention on a differentiable backend where the attention rule is off, and the
-    generators G's ops receive noted by the dispatch itself (:mod:`mixedad._frontend.random_state`).
+    generators G's ops receive noted by the dispatch itself (the watch of :mod:`mixedad._frontend.watch` off).
 
     Raises NeedsWholeG inside the caller's own ``forward_ad.dual_level()``.
     """

@@ -21,7 +21,7 @@ path                     used for
                          goes through this dispatch again; conversions to channels-last memory
                          formats
 ``user rule``            a rule registered with :func:`register` (a third-party CUDA op, a
-                         compiled ``upfirdn2d``), spot-checked against the op's backward
+                         compiled ``upfirdn2d``), checked against the op's backward
 ``local double-VJP``     ops in ``KNOWN_WRONG``, ``DROPS_TANGENT`` and ``NO_FORMULA``, library
                          ops (``torch.library``), custom Functions without ``jvp``, and any op
                          whose forward-AD formula raises:

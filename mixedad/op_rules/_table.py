@@ -55,8 +55,8 @@ _DESCRIPTIONS = {
                     "of queries at a time, never the whole T x T matrix.",
     Path.FORMULA: "Ops whose PyTorch formula is missing or unusable, with the tangent written out; fused "
                   "multi-layer RNNs split into one call per layer.",
-    Path.USER: "A rule the user registered with mixedad.op_rules.register, spot-checked against the op's "
-               "backward the first time it is used.",
+    Path.USER: "A rule the user registered with mixedad.op_rules.register, checked against the op's backward "
+               "on each new signature (which arguments carry tangents, their dtypes).",
     Path.LOCAL: "The op's tangent by two reverse passes through that op alone: ops with no, a wrong or a raising "
                 "formula, custom Functions without jvp, library ops.",
     Path.FORWARD: "PyTorch's own forward-AD formula; a custom Function's own jvp.",
