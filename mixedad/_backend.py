@@ -17,12 +17,13 @@ from torch.func import grad, jvp
 from mixedad import _checks
 from mixedad._frontend.grad_mode import as_in_a_plain_call
 from mixedad._frontend.inputs import writable
+from mixedad._frontend import watch
 from mixedad._frontend.random_state import undone
 from mixedad._entry import frozen
 from mixedad._hooks.function_apply import routing
 from mixedad.op_rules._custom_functions import CheckpointsRunDirectly
 from mixedad.op_rules._attention import MathBackendWhereFusedDiffers
-from mixedad._hooks.functorch import in_functorch_transform, under_differentiating_transform
+from mixedad._hooks.functorch import in_functorch_transform, is_wrapped, under_differentiating_transform
 from mixedad._hooks.pytree import differentiable, graph_inputs, tree_flatten, tree_unflatten
 
 
@@ -48,7 +49,7 @@ def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves,
     with torch.enable_grad():
         y_work = _checks.y_aliases(y_leaves)
         g_in, g_work, index = graph_inputs(g_leaves)
-        out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
+        out = evaluate_f(call, f, y_leaves, tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
         _checks.check_scalar_output(call, out)
         out = out.reshape(())
         df_dg = (torch.autograd.grad(out, g_work, create_graph=True, allow_unused=True)
@@ -61,6 +62,20 @@ def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves,
                     for i in range(size)]
             return [torch.stack([row[j] for row in rows]) for j in range(len(y_leaves))]
         return _along([d for d, _ in pairs], y_work, [t for _, t in pairs], create_graph, False)
+
+
+def evaluate_f(call, f, y_leaves, y_tree, g_tree):
+    """``f(y_tree, g_tree)``, refused before f writes into the caller's y in place (``y.add_(1)``).
+
+    The leaves of ``y_tree`` view ``y_leaves``, the caller's: mixedad writes nothing the caller passed, and a
+    derivative in y cannot go through a write into y (double backward refuses there too).
+    """
+    def refuse(op):
+        raise ValueError(f"{call}: f writes y in place ({op}), where its derivative in y cannot go through, and which "
+                         f"would change the caller's y; clone it inside f first (y = y.clone()).")
+
+    with watch.observing("guards", watch.WriteGuard([t for t in y_leaves if not is_wrapped(t)], refuse)):
+        return f(y_tree, g_tree)
 
 
 def _along(df_dg, y_work, tangents, create_graph, retain_graph):
@@ -124,7 +139,7 @@ def f_cotangent(call, f, y_leaves, y_spec, *, create_graph=False):
         with undone(), torch.enable_grad():
             g_in, g_work, index = graph_inputs(g_leaves)
             y_tree = tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec)
-            out = f(y_tree, tree_unflatten(g_in, g_spec))
+            out = evaluate_f(call, f, y_leaves, y_tree, tree_unflatten(g_in, g_spec))
             _checks.check_scalar_output(call, out)
             out = out.reshape(())
             grads = (torch.autograd.grad(out, g_work, allow_unused=True) if out.requires_grad and g_work
@@ -149,10 +164,14 @@ def gradient_chunk(call, f, G, z_chunks, y_leaves, y_spec):
     with torch.enable_grad(), MathBackendWhereFusedDiffers(), routing(CheckpointsRunDirectly()):
         z_work = [zc.detach().requires_grad_() for zc in z_chunks]
         with as_in_a_plain_call():  # and grad mode back on after G, even if G leaves it off
-            g_leaves, g_spec = tree_flatten(frozen(G)(*writable(z_work)))
+            try:
+                g_leaves, g_spec = tree_flatten(frozen(G)(*writable(z_work)))
+            except RuntimeError as error:  # G refuses autograd (out= on a tensor that requires grad, ...)
+                raise _refused_by_autograd(call, "G's forward", error) from error
+        _checks.check_no_foreign_leaves(call, g_leaves, z_work, who="G")
         g_in, g_work, index = graph_inputs(g_leaves)
         y_work = [leaf.detach().requires_grad_() for leaf in y_leaves]
-        out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
+        out = evaluate_f(call, f, y_leaves, tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
         _checks.check_scalar_output(call, out)
         _checks.check_no_foreign_leaves(call, out, y_work + g_work)
         df_dg = (torch.autograd.grad(out.reshape(()), g_work, allow_unused=True) if out.requires_grad and g_work
@@ -165,13 +184,17 @@ def gradient_chunk(call, f, G, z_chunks, y_leaves, y_spec):
                     [g for g, _ in pairs], z_work, grad_outputs=[d for _, d in pairs], allow_unused=True
                 )
             except RuntimeError as error:  # G's own backward fails: double backward would fail there too
-                text = str(error).strip()
-                raise RuntimeError(f"{call}: G's backward raised {type(error).__name__}"
-                                   f"{': ' + text.splitlines()[0] if text else ''}. The gradient in z needs G's "
-                                   f"reverse pass, which double backward runs too.") from error
+                raise _refused_by_autograd(call, "G's backward", error) from error
     pieces = [torch.zeros_like(zc) if d is None else d for d, zc in zip(grads, z_chunks)]
     return pieces, ([leaf.detach() if differentiable(leaf) else leaf for leaf in g_leaves], g_spec,
                     out.detach().reshape(()))
+
+
+def _refused_by_autograd(call, what, error):
+    """mixedad's error for a failure of G's reverse pass, which input_grad needs as double backward does."""
+    text = str(error).strip()
+    return RuntimeError(f"{call}: {what} raised {type(error).__name__}{': ' + text.splitlines()[0] if text else ''}. "
+                        f"The gradient in z needs G's reverse pass, which double backward runs too.")
 
 
 def check_sum_over_codes(call, f, y_leaves, y_spec, first, second):
@@ -182,14 +205,18 @@ def check_sum_over_codes(call, f, y_leaves, y_spec, first, second):
         f\big(y, [g_1; g_2]\big) \overset{?}{=} f(y, g_1) + f(y, g_2)
 
     for the outputs of the first two chunks joined along dim 0. f is cheap; the random state
-    is restored afterwards. Outputs that cannot be joined along dim 0 are not checked.
+    is restored afterwards. Outputs that cannot be joined along dim 0 are not checked, nor is an f
+    that draws random numbers (dropout in f): on the chunks joined it draws other numbers than on
+    each, so the comparison says nothing.
     """
     (g1, spec, f1), (g2, _, f2) = first, second
     if any(not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[1:] != b.shape[1:] for a, b in zip(g1, g2)):
         return
-    with undone(), torch.no_grad():
-        joined = f(tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec),
-                   tree_unflatten([torch.cat([a, b]) for a, b in zip(g1, g2)], spec)).reshape(())
+    with undone() as sources, torch.no_grad():
+        joined = evaluate_f(call, f, y_leaves, tree_unflatten([leaf.detach() for leaf in y_leaves], y_spec),
+                            tree_unflatten([torch.cat([a, b]) for a, b in zip(g1, g2)], spec)).reshape(())
+        if sources.drawn():
+            return
     total = f1 + f2
     tolerance = {torch.float64: 1e-10, torch.float32: 1e-5}.get(total.dtype, 1e-2)
     scale = max(f1.abs().item() + f2.abs().item(), torch.finfo(torch.float64).tiny)

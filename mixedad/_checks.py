@@ -8,6 +8,7 @@ import itertools
 import operator
 
 import torch
+from torch import nn
 
 from mixedad._hooks.dual_level import dual_level_open, tangent_of
 from mixedad._hooks.functorch import in_functorch_transform
@@ -215,27 +216,31 @@ def check_no_forward_tangents(call, tensors):
             )
 
 
-def check_no_foreign_leaves(call, out, allowed):
-    """Raise if out's graph reaches a leaf that requires grad other than those in ``allowed``.
+def check_no_foreign_leaves(call, outs, allowed, *, who="f"):
+    """Raise if the graph of ``outs`` (a tensor or a list of them) reaches a leaf that requires grad other than
+    those in ``allowed``.
 
-    Such a leaf is a tensor f closes over; input_grad's backward produces gradients for y's
-    leaves only, so its gradient would be silently lost.
+    Such a leaf is a tensor f (or G, ``who``) closes over; input_grad's backward produces gradients
+    for y's leaves only, so its gradient would be silently lost where double backward gives one.
+    G's parameters (each an ``nn.Parameter``, of the modules a function G calls too) are frozen by design.
     """
     allowed_ids = {id(t) for t in allowed}
-    seen, stack = set(), [out.grad_fn]
+    outs = [outs] if isinstance(outs, torch.Tensor) else outs
+    seen, stack = set(), [o.grad_fn for o in outs if isinstance(o, torch.Tensor)]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
         leaf = getattr(node, "variable", None)
-        if leaf is not None and id(leaf) not in allowed_ids:
-            raise ValueError(
-                f"{call}: f reads {describe(leaf)} that requires grad but is not part of y; its "
-                f"gradient would be lost. Pass it inside y (y may be a tuple, list or dict of "
-                f"tensors; for an nn.Module inside f, pass dict(module.named_parameters()) and call "
-                f"it with torch.func.functional_call), or detach it if it is a constant."
-            )
+        if leaf is not None and id(leaf) not in allowed_ids and not (who == "G" and isinstance(leaf, nn.Parameter)):
+            fix = ("Pass it inside y (y may be a tuple, list or dict of tensors; for an nn.Module inside f, pass "
+                   "dict(module.named_parameters()) and call it with torch.func.functional_call), or detach it if "
+                   "it is a constant" if who == "f" else
+                   "G is frozen: detach it (a constant, as G's parameters are), or compute what depends on it in f "
+                   "from a leaf of y")
+            raise ValueError(f"{call}: {who} reads {describe(leaf)} that requires grad but is not part of y; its "
+                             f"gradient would be lost. {fix}.")
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 

@@ -3,6 +3,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from mixedad._checks import check_callable, check_chunk_size
+from mixedad._frontend import watch
 from mixedad._frontend.state import Snapshot
 from mixedad._frontend.versions import Versions
 
@@ -70,13 +71,18 @@ def cached_backward(f: Callable[[torch.Tensor], torch.Tensor], inputs: Union[tor
         raise ValueError(f"{CALL}: expected at least one input, got none.")
     chunks = [items[i : i + step] for i in range(0, len(items), step)]
 
+    def refuse(op):
+        raise ValueError(f"{CALL}: f writes its input in place ({op}), and pass 2 would run it again on the input it "
+                         f"changed; clone the input inside f (x = x.clone()) first.")
+
+    guard = watch.WriteGuard(items, refuse)
     states: list = []  # RNG and train-mode buffers before each chunk of pass 1, replayed by pass 2
     outputs = []
     with torch.no_grad():
         for chunk in chunks:
             state = Snapshot(f, modules=states[0].modules if states else (), call=CALL)
             states.append(state)
-            with state.watching(reads=True):
+            with state.watching(reads=True), watch.observing("guards", guard):
                 outputs += [_output(f, x) for x in chunk]
     # g runs between the passes: pass 2 must find f's parameters, its uncopied buffers and the inputs as pass 1 did.
     versions = Versions(CALL, f, states, [(f"inputs[{i}]", x) for i, x in enumerate(items)], owner="f",

@@ -20,6 +20,7 @@ from mixedad import _checks
 from mixedad._curvature.cg import CurvatureError, conjugate_gradient
 from mixedad._curvature.segments import Chain, f_derivatives, push, split
 from mixedad._entry import eager, frozen, public_call
+from mixedad._backend import evaluate_f
 from mixedad._frontend.inputs import writable
 from mixedad._frontend.state import Snapshot
 from mixedad._frontend.versions import Versions, input_labels
@@ -123,7 +124,7 @@ class ZCurvature:
                 return z_work, [o if differentiable(o) and o.requires_grad else None for o in out]
             g_in = [o for o in out]
             y_tree = tree_unflatten([t.detach() for t in self._y_leaves], self._y_spec)
-            loss = self._f(y_tree, tree_unflatten(g_in, self._chain.spec))
+            loss = evaluate_f(self._call, self._f, self._y_leaves, y_tree, tree_unflatten(g_in, self._chain.spec))
             _checks.check_scalar_output(self._call, loss)
             grads = torch.autograd.grad(loss.reshape(()), z_work, create_graph=True, allow_unused=True)
             return z_work, list(grads)

@@ -18,7 +18,8 @@ import torch
 from mixedad import _checks
 from mixedad._entry import eager, public_call, user_stacklevel
 from mixedad._frontend.state import Snapshot
-from mixedad._frontend.versions import Versions, input_labels, modules_reached
+from mixedad._frontend.reach import modules_reached
+from mixedad._frontend.versions import Versions, input_labels
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad.curvature import ZCurvature, _check_settings
 from mixedad.mixed import mixed_grad
@@ -236,8 +237,14 @@ def implicit_argmin(f: Callable[..., torch.Tensor], G: Callable[..., Any],
     if not (isinstance(segments, (str, int, list, tuple)) and not isinstance(segments, bool)):
         raise TypeError(f"{call}: expected segments='auto', an int or a list of callables, got {segments!r}.")
     G = eager(G)
-    # The backward runs from G's state at this call: the snapshot replays what it copied, the rest is checked.
+    # The backward runs from G's state at this call: the snapshot replays what it copied, the rest is checked. One
+    # forward of G, undone, tells which tensors the backward will read (a tensor G closes over included).
     state = Snapshot(G, modules=modules_reached(G), call=call)
+    try:
+        with state.watching(reads=True), torch.no_grad():
+            G(*zs)
+    finally:
+        state.restore()
     versions = Versions(call, G, [state], list(zip(input_labels("z_star", z_star) + input_labels("y", y),
                                                    [*zs, *y_leaves])),
                         after="the call that saved this backward pass",

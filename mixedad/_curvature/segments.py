@@ -37,6 +37,7 @@ from torch import nn
 
 from mixedad._entry import frozen
 from mixedad._frontend.batched import push_tangents
+from mixedad._backend import evaluate_f
 from mixedad._frontend.inputs import writable
 from mixedad._frontend.state import Snapshot
 from mixedad._frontend.tangents import push_tangent
@@ -160,7 +161,7 @@ def f_derivatives(call, f, y_leaves, y_spec, g_leaves, g_spec, g_tangents=None):
     y_tree = tree_unflatten([leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in y_leaves], y_spec)
     with torch.enable_grad():
         g_in, g_work, index = graph_inputs(g_leaves)
-        out = f(y_tree, tree_unflatten(g_in, g_spec))
+        out = evaluate_f(call, f, y_leaves, y_tree, tree_unflatten(g_in, g_spec))
         _checks.check_scalar_output(call, out)
         out = out.reshape(())
         grads = (torch.autograd.grad(out, g_work, create_graph=g_tangents is not None, allow_unused=True)

@@ -132,7 +132,7 @@ def push_under_vmap(call, G, zs, vs, *, recorder=None):
     if found is None:
         return None
     level, batch = found
-    rng, recorded = random_state.RandomState(), PathRecorder()
+    rng, recorded = random_state.RandomState(G), PathRecorder()
     try:
         with random_state.watching(rng):
             g_leaves, tangents, spec = push_tangents(call, G, zs, batch, recorder=recorded)

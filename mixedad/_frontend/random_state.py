@@ -7,14 +7,18 @@ of them:
 
 - torch's global CPU generator, and each initialised CUDA device's;
 - Python's ``random`` and NumPy's global generator (``np.random``);
-- every ``torch.Generator`` that G's ops receive as ``generator=``.
+- every ``torch.Generator`` that G's ops receive (as ``generator=`` or by position);
+- the random sources G holds: a ``torch.Generator``, a NumPy ``Generator`` or ``RandomState``, a
+  ``random.Random`` kept as an attribute of one of G's modules, or in what a function G closes
+  over (:mod:`mixedad._frontend.reach`): :meth:`RandomState.hold`, by the snapshot of G.
 
-A ``torch.Generator`` cannot be found before G uses it: it is known from the first op that
-receives it inside :func:`watching` (the watch of :mod:`mixedad._frontend.watch` reads each op's
-``generator`` argument; mixedad's own dispatch reads it itself). Each watching state records a generator's state at first sight,
-which is its state before the pass drew from it, and known generators are remembered for the
-process (weakly), so that every later capture takes their state up front. A generator that G
-drives from code no torch function sees (a C++ extension drawing from it) is not known.
+A ``torch.Generator`` G neither holds nor names is known from the first op that receives it inside
+:func:`watching` (the watch of :mod:`mixedad._frontend.watch` reads each op's arguments; mixedad's
+own dispatch reads them itself). Each watching state records a generator's state at first sight,
+which is its state before the pass drew from it, and the generators seen for a G are remembered
+(weakly, per G), so that every later capture for that G takes their state up front. Other
+threads' generators are never touched. Not known: a generator that G drives from code no torch
+function sees (a C++ extension drawing from it) and does not hold.
 
 Capturing costs tens of microseconds per snapshot (Python's and NumPy's states are copied in full),
 which the default's tangent programs, taking no snapshot, do not pay.
@@ -29,10 +33,10 @@ import torch
 
 from mixedad._frontend import watch
 
-__all__ = ["RandomState", "watching", "undone"]
+__all__ = ["RandomState", "watching", "undone", "is_source"]
 
-#: Every torch.Generator an op of G received inside a watched pass, for the whole process (weakly held).
-_KNOWN: "weakref.WeakSet[torch.Generator]" = weakref.WeakSet()
+#: G (or the object a bound method G belongs to) -> the torch.Generators its ops received in a watched pass.
+_KNOWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _KNOWN_LOCK = threading.Lock()
 
 
@@ -42,35 +46,89 @@ def _numpy_random():
     return getattr(numpy, "random", None) if numpy is not None else None
 
 
-def _same_numpy(a, b):
-    if a is None or b is None:
-        return a is b
-    return a[0] == b[0] and (a[1] == b[1]).all() and a[2:] == b[2:]
+def _same(a, b):
+    """Whether two captured states are equal (tuples, dicts and arrays of them, as NumPy and Python give them)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if hasattr(a, "shape") and hasattr(a, "dtype"):  # a NumPy array
+        return bool(getattr(a == b, "all", lambda: a == b)())
+    return a == b
+
+
+def _owner(G):
+    """The key G's generators are remembered under: G, or the object a bound method of it belongs to."""
+    owner = getattr(G, "__self__", G)
+    try:
+        weakref.ref(owner)
+    except TypeError:  # a builtin: nothing remembered
+        return None
+    return owner
+
+
+def _accessors(source):
+    """``(get_state, set_state)`` for a random source G may hold, or None for any other object."""
+    if isinstance(source, torch.Generator):
+        return source.get_state, source.set_state
+    if isinstance(source, random.Random) and not isinstance(source, random.SystemRandom):  # SystemRandom: no state
+        return source.getstate, source.setstate
+    numpy_random = _numpy_random()
+    if numpy_random is None:
+        return None
+    if isinstance(source, numpy_random.Generator):
+        bits = source.bit_generator
+        return (lambda: bits.state), (lambda state: setattr(bits, "state", state))
+    if isinstance(source, numpy_random.RandomState):
+        return source.get_state, source.set_state
+    if isinstance(source, numpy_random.BitGenerator):
+        return (lambda: source.state), (lambda state: setattr(source, "state", state))
+    return None
+
+
+def is_source(obj):
+    """Whether ``obj`` is a random source a snapshot holds (:meth:`RandomState.hold`)."""
+    return _accessors(obj) is not None
 
 
 class RandomState:
     """The state of every random source G may draw from (the module docstring), at construction.
 
+    Args:
+        G: the generator whose generators seen before are captured up front; None for none.
+
     Generators first seen later, inside :func:`watching` this state, are added at first sight.
     """
 
-    def __init__(self):
+    def __init__(self, G=None):
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.python = random.getstate()
         numpy_random = _numpy_random()
         self.numpy = numpy_random.get_state() if numpy_random is not None else None
+        self.owner = None if G is None else _owner(G)
         with _KNOWN_LOCK:
-            known = list(_KNOWN)
+            known = list(_KNOWN.get(self.owner, ())) if self.owner is not None else []
         self.generators = {g: g.get_state() for g in known}
+        self.held = {}  # id -> (source, state): the sources G holds other than torch generators
 
     def note(self, generator):
         """Record ``generator``'s state now, if this state does not hold it yet (its first sight); every later
-        state captures it up front."""
+        state for the same G captures it up front."""
         if generator not in self.generators:
-            with _KNOWN_LOCK:
-                _KNOWN.add(generator)
+            if self.owner is not None:
+                with _KNOWN_LOCK:
+                    _KNOWN.setdefault(self.owner, weakref.WeakSet()).add(generator)
             self.generators[generator] = generator.get_state()
+
+    def hold(self, source):
+        """Record the state of a random source G holds (:func:`is_source`), if not recorded yet."""
+        if isinstance(source, torch.Generator):
+            self.note(source)
+        elif id(source) not in self.held:
+            self.held[id(source)] = (source, _accessors(source)[0]())
 
     def restore(self):
         """Put every source back where it was."""
@@ -83,6 +141,8 @@ class RandomState:
             numpy_random.set_state(self.numpy)
         for generator, state in self.generators.items():
             generator.set_state(state)
+        for source, state in self.held.values():
+            _accessors(source)[1](state)
 
     def drawn(self):
         """The sources drawn from since (by name, in the order of the module docstring); empty if none."""
@@ -97,10 +157,12 @@ class RandomState:
         if random.getstate() != self.python:
             found.append("Python's random")
         numpy_random = _numpy_random()
-        if numpy_random is not None and not _same_numpy(numpy_random.get_state(), self.numpy):
+        if numpy_random is not None and not _same(numpy_random.get_state(), self.numpy):
             found.append("NumPy's global generator")
         if any(not torch.equal(g.get_state(), state) for g, state in self.generators.items()):
             found.append("a torch.Generator")
+        found += [f"a {type(source).__module__}.{type(source).__name__} G holds" for source, state in self.held.values()
+                  if not _same(_accessors(source)[0](), state)]
         return found
 
     def is_current(self):

@@ -38,12 +38,14 @@ they first run inside :meth:`Snapshot.watching`, through a global forward pre-ho
 only for that block.
 """
 import contextlib
+import threading
 
 import torch
 from torch import nn
 
 from mixedad._frontend import random_state, watch
-from mixedad._frontend.random_state import RandomState
+from mixedad._frontend.random_state import RandomState, is_source
+from mixedad._frontend.reach import reached
 
 #: The largest buffer (in bytes) of an eval-mode module that every snapshot copies by value;
 #: larger ones are only watched, and changing one in place in a pass that must be undone raises.
@@ -63,12 +65,16 @@ class Snapshot:
 
     def __init__(self, G, *, modules=(), call="mixedad"):
         self.call = call  # the public call, for the message of a buffer that cannot be restored
-        self.rng = RandomState()
+        self.rng = RandomState(G)
         self.saved, self.watched, self._seen, self.modules = [], [], set(), []
         self.attributes = []  # (module, {name: value}) of plain attributes
         #: The tensors the passes watched with ``reads=True`` read that they did not make.
         self.reads = watch.Reads()
         self._upfront = isinstance(G, nn.Module)
+        if not self._upfront:  # the random sources a function G closes over (a module's are its attributes)
+            for source in reached(G):
+                if is_source(source):
+                    self.rng.hold(source)
         for module in (G.modules() if self._upfront else modules):
             self._record(module)
 
@@ -77,6 +83,9 @@ class Snapshot:
             return
         self._seen.add(id(module))
         self.modules.append(module)
+        for value in vars(module).values():  # a generator the module keeps: its state before the module draws
+            if is_source(value):
+                self.rng.hold(value)
         attributes = plain_attributes(module)
         self.attributes.append((module, attributes))
         tensors = [(name, value, _TensorAttribute) for name, value in attributes.items() if isinstance(value, torch.Tensor)]
@@ -120,8 +129,10 @@ class Snapshot:
             stack.enter_context(random_state.watching(self.rng))
             if reads:
                 stack.enter_context(watch.observing("reads", self.reads))
-            if not self._upfront:
-                stack.callback(nn.modules.module.register_module_forward_pre_hook(self._record).remove)
+            if not self._upfront:  # the hook is the process's: only this thread's modules are G's
+                thread = threading.get_ident()
+                record = lambda module, *_: self._record(module) if threading.get_ident() == thread else None  # noqa: E731
+                stack.callback(nn.modules.module.register_module_forward_pre_hook(record).remove)
             yield self
 
     def restore(self):

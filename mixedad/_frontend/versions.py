@@ -33,16 +33,14 @@ mode since, so the caller's snapshot copied it), :meth:`Versions.refresh` takes 
 This module reads a snapshot's ``modules`` and, for each entry of its ``watched`` list, ``tensor``,
 ``module``, ``name`` and ``version``.
 """
-import functools
-import itertools
-import types
-
 import torch
 from torch import nn
 
 from mixedad._hooks.pytree import keystr, tree_flatten_with_path
+from mixedad._hooks.tensor_kinds import storage_id
+from mixedad._programs.key import structure_of
 
-__all__ = ["StateChangedError", "Versions", "input_labels", "modules_reached"]
+__all__ = ["StateChangedError", "Versions", "input_labels"]
 
 
 class StateChangedError(RuntimeError):
@@ -142,7 +140,7 @@ class Versions:
             for name, p in root.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    names.append((name, p, _version(p)))
+                    names.append((name, p, _version(p), _stamp(p)))
             self.params.append((root, of, names))
             for name, b in root.named_buffers():
                 entry = watched.pop(id(b), None)
@@ -152,6 +150,8 @@ class Versions:
             label = f"the tensor {entry.name} of a {type(entry.module).__name__} that {owner} calls"
             self.buffers.append([label, entry.tensor, _version(entry.tensor)])
         self.inputs = [(label, t, _version(t)) for label, t in inputs if isinstance(t, torch.Tensor)]
+        self._modules, self._held = _all_modules(G, modules), []
+        self.structure = [structure_of(m, self._held) for m in self._modules]
         known = seen | replayed | {id(b) for b in _buffers(G, modules)} | {id(t) for _, t, _ in self.inputs}
         reads = {id(t): t for snapshot in snapshots for t in snapshot.reads.tensors if id(t) not in known}
         self.reads = [(_read_label(t, owner), t, _version(t)) for t in reads.values()]
@@ -160,15 +160,23 @@ class Versions:
         """Raise :class:`StateChangedError` if anything recorded changed since."""
         for root, of, names in self.params:
             now = dict(root.named_parameters())
-            for name, p, version in names:
+            for name, p, version, stamp in names:
                 if now.get(name) is not p:
                     self._raise(f"the parameter {name} of {of}", "replaced by another tensor" if name in now
                                 else "removed")
                 if _version(p) != version:
                     self._raise(f"the parameter {name} of {of}", "modified in place", version, _version(p))
+                if _stamp(p) != stamp:
+                    self._raise(f"the parameter {name} of {of}", "given other data (its dtype, device or storage: "
+                                                                 "G.to(), .float(), .half(), or .data = ...)")
         for label, t, version in [*self.buffers, *self.inputs, *self.reads]:
             if _version(t) != version:
                 self._raise(label, "modified in place", version, _version(t))
+        for module, before in zip(self._modules, self.structure):
+            if structure_of(module, []) != before:
+                self._raise(f"the {type(module).__name__} {_name_of(module, self._modules[0])}",
+                            "changed (a module added, removed or replaced, a hook, or an attribute that is not a "
+                            "number, string or tensor: a configuration, a generator, a method)")
 
     def refresh(self):
         """Take the watched buffers' versions again after a pass and mixedad's own restore of the caller's state.
@@ -194,6 +202,24 @@ class Versions:
         )
 
 
+def _stamp(t):
+    """What a parameter's data is, beyond its version: ``.data = ...`` and ``module.to()`` replace it unversioned."""
+    return t.dtype, t.device, tuple(t.shape), storage_id(t)
+
+
+def _all_modules(G, modules):
+    """Every module the saved pass replays, once each: G's (with their children), or those a function G called."""
+    return list({id(m): m for root in _roots(G, modules) for m in root.modules()}.values())
+
+
+def _name_of(module, root):
+    """``module``'s name in G (``'3'``, ``'net.1'``), quoted, or '' where it has none under ``root``."""
+    for name, m in root.named_modules():
+        if m is module:
+            return f"'{name}' of G" if name else "G"
+    return "that G calls"
+
+
 def _buffers(G, modules):
     return [b for root in _roots(G, modules) for b in root.buffers()]
 
@@ -201,55 +227,3 @@ def _buffers(G, modules):
 def _read_label(t, owner):
     return (f"a tensor of shape {tuple(t.shape)} and dtype {str(t.dtype).replace('torch.', '')} that {owner} reads "
             f"(neither a parameter nor a buffer of it: a tensor it closes over?)")
-
-
-#: How many items of a list, tuple or dict :func:`modules_reached` looks into.
-_ITEMS = 1000
-
-
-def modules_reached(G, depth=3):
-    """The modules a callable G reaches without running it (with their submodules), for a record before G runs.
-
-    G itself when it is a module; else the modules held by what G is made of: a bound method's
-    object, a ``functools.partial``'s function and arguments, a function's closure, defaults and
-    the globals its code names, a callable object's attributes, and lists, tuples and dicts of
-    these (their first :data:`_ITEMS` items), ``depth`` levels down. A module found is taken
-    whole (an object holding G's module and others gives them all); modules G reaches another way
-    (a computed name, an object that is not callable) are not found.
-    """
-    found, seen = [], set()
-
-    def visit(obj, level):
-        if id(obj) in seen or level < 0:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, nn.Module):
-            found.append(obj)
-        elif isinstance(obj, types.MethodType):
-            visit(obj.__self__, level)
-            visit(obj.__func__, level)
-        elif isinstance(obj, functools.partial):
-            for part in (obj.func, *obj.args, *obj.keywords.values()):
-                visit(part, level - 1)
-        elif isinstance(obj, types.FunctionType):
-            cells = [cell.cell_contents for cell in obj.__closure__ or () if _filled(cell)]
-            named = [obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__]
-            for part in (*cells, *(obj.__defaults__ or ()), *named):
-                visit(part, level - 1)
-        elif isinstance(obj, (list, tuple, dict)):
-            for part in itertools.islice(obj.values() if isinstance(obj, dict) else obj, _ITEMS):
-                visit(part, level - 1)
-        elif callable(obj) and not isinstance(obj, type) and hasattr(obj, "__dict__"):
-            for part in vars(obj).values():
-                visit(part, level - 1)
-
-    visit(G, depth)
-    return list({id(module): module for root in found for module in root.modules()}.values())  # once each, in order
-
-
-def _filled(cell):
-    try:
-        cell.cell_contents
-    except ValueError:  # a closure cell not assigned yet
-        return False
-    return True

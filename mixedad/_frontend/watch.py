@@ -4,9 +4,12 @@ Two kinds of observers register here, per thread, and share one mode (nested wat
 second one):
 
 - **random states** (:class:`mixedad._frontend.random_state.RandomState`): every
-  ``torch.Generator`` an op receives as ``generator=``, its state noted before it first draws;
+  ``torch.Generator`` an op receives (``generator=``, or by position), its state noted before it
+  first draws;
 - **reads** (:class:`Reads`, for :mod:`mixedad._frontend.versions`): every tensor an op reads that
-  the pass did not make (a tensor G closes over, a parameter as G passes it).
+  the pass did not make (a tensor G closes over, a parameter as G passes it);
+- **guards** (:class:`WriteGuard`): ops about to write in place into tensors a pass must not
+  change, refused before they run.
 
 mixedad's own dispatch (:class:`mixedad.op_rules.OpRules`) notes generators itself and takes the
 mode off while it runs (:func:`off`), one mode fewer on every op of the per-op pass; reads are only
@@ -19,9 +22,11 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mixedad._frontend.writes import in_place_targets
+from mixedad._hooks.tensor_kinds import storage_id
 from mixedad._hooks.torch_function_stack import innermost, popped
 
-__all__ = ["Reads", "observing", "ops", "off", "note_generator", "generator_observers"]
+__all__ = ["Reads", "WriteGuard", "observing", "ops", "off", "note_generators", "generator_observers"]
 
 _local = threading.local()
 
@@ -39,18 +44,25 @@ def generator_observers():
     return getattr(_local, "generators", None) or ()
 
 
-def note_generator(generator):
-    """A ``generator=`` argument an op receives: every watching random state records it at first sight."""
-    if generator is None or not isinstance(generator, torch.Generator):
+def note_generators(args, kwargs):
+    """The generators an op receives (``generator=``, or by position: ``torch.poisson(rates, g)``): every watching
+    random state records each at first sight."""
+    observers = generator_observers()
+    if not observers:
         return
-    for state in generator_observers():
-        state.note(generator)
+    found = [a for a in args if type(a) is torch.Generator]
+    if kwargs and isinstance(kwargs.get("generator"), torch.Generator):
+        found.append(kwargs["generator"])
+    for generator in found:
+        for state in observers:
+            state.note(generator)
 
 
 class _Watch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs:
-            note_generator(kwargs.get("generator"))
+        note_generators(args, kwargs)
+        for guard in getattr(_local, "guards", None) or ():
+            guard.before(func, args, kwargs or {})
         reads = getattr(_local, "reads", None)
         if not reads:
             return func(*args, **(kwargs or {}))
@@ -84,6 +96,19 @@ class Reads:
             self._made[id(t)] = t
 
 
+class WriteGuard:
+    """Calls ``refuse(op name)`` before an op writes in place into the memory of any of ``tensors``."""
+
+    def __init__(self, tensors, refuse):
+        self._storages = {storage_id(t) for t in tensors if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        self.refuse = refuse
+
+    def before(self, func, args, kwargs):
+        targets = in_place_targets(func, args, kwargs)
+        if any(t.layout == torch.strided and storage_id(t) in self._storages for t in targets):
+            self.refuse(getattr(func, "__name__", repr(func)))
+
+
 def _tensors(args, kwargs):
     """The tensors among ``args`` and ``kwargs``, and one level into their lists and tuples (``torch.cat``)."""
     for value in (*(args if isinstance(args, (tuple, list)) else (args,)), *(kwargs.values() if kwargs else ())):
@@ -95,7 +120,7 @@ def _tensors(args, kwargs):
 
 @contextlib.contextmanager
 def observing(kind, observer):
-    """Inside the block, ``observer`` sees the ops of this thread (``kind``: "generators" or "reads")."""
+    """Inside the block, ``observer`` sees the ops of this thread (``kind``: "generators", "reads" or "guards")."""
     observers = _observers(kind)
     observers.append(observer)
     try:
@@ -109,7 +134,8 @@ def observing(kind, observer):
 def ops():
     """The mode on for the block, where observers are registered and no mode of this thread runs yet (code below
     mixedad's dispatch, such as a custom Function's forward, after :func:`off`)."""
-    if getattr(_local, "mode", None) is not None or not (generator_observers() or getattr(_local, "reads", None)):
+    if getattr(_local, "mode", None) is not None or not (generator_observers() or getattr(_local, "reads", None)
+                                                           or getattr(_local, "guards", None)):
         yield
         return
     _local.mode = mode = _Watch()
@@ -127,8 +153,8 @@ def off():
     which draws no random numbers and runs with no torch-function mode. Watches inside the block start a mode
     of their own."""
     mode = getattr(_local, "mode", None)
-    if mode is None or getattr(_local, "reads", None) or not innermost(mode):
-        yield  # nothing to take off, reads to watch, or another mode above it (which the ops reach first)
+    if mode is None or getattr(_local, "reads", None) or getattr(_local, "guards", None) or not innermost(mode):
+        yield  # nothing to take off, reads or writes to watch, or another mode above it (which the ops reach first)
         return
     with popped(mode):
         _local.mode = None

@@ -59,7 +59,9 @@ def meta_generator(call, G):
     state = {**dict(G.named_parameters(remove_duplicate=False)), **dict(G.named_buffers(remove_duplicate=False))}
     if all(t.is_meta for t in state.values()):
         return G
-    meta_state = {name: _meta(t) for name, t in state.items()}
+    # Parameters stay parameters (G's, which mixedad keeps frozen), buffers plain tensors, as in G.
+    meta_state = {name: nn.Parameter(_meta(t), requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
+                  else _meta(t) for name, t in state.items()}
 
     def on_meta(*args):
         return torch.func.functional_call(G, meta_state, args, tie_weights=False)

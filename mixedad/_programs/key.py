@@ -21,7 +21,7 @@ from torch import nn
 from mixedad._hooks.module_hooks import global_hook_handles, hook_handles
 from mixedad.op_rules._user import generation
 
-__all__ = ["key_of", "own_attributes"]
+__all__ = ["key_of", "own_attributes", "structure_of"]
 
 _SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 _SIMPLE_TYPES = frozenset(_SIMPLE)
@@ -132,3 +132,24 @@ def key_of(G, zs, vs, batch):
     key.append(_END)
     key.extend(_class_key(c, held) for c in sorted({type(m) for m in modules}, key=id))
     return tuple(key), held
+
+
+#: Attribute types a snapshot of G restores itself (:func:`mixedad._frontend.state.plain_attributes`).
+_REPLAYED = (bool, int, float, str, type(None), torch.Tensor)
+
+
+def structure_of(module, held):
+    """What a replay of ``module`` takes from it that no snapshot restores: its identity, hooks and children, its
+    attributes but numbers, strings and tensors (a snapshot replays those; parameters and buffers are versioned
+    apart), and its class's attributes and the globals its forward names. Equal where the module runs the same
+    code on the same configuration."""
+    if isinstance(module, torch.jit.ScriptModule):  # compiled code and attributes: its identity says what runs
+        return (id(module),)
+    attributes = module.__dict__
+    children = attributes["_modules"]
+    key = [id(module), hook_handles(module), tuple(children), tuple(map(id, children.values()))]
+    for name, value in attributes.items():
+        if name not in _MODULE_INTERNALS and not isinstance(value, _REPLAYED):
+            key += (name, type(value), _fingerprint(value, held))
+    key.append(_class_key(type(module), held))
+    return tuple(key)

@@ -58,7 +58,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Uni
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from mixedad._frontend.watch import note_generator
+from mixedad._frontend.watch import note_generators
 from mixedad._frontend.grad_mode import (GRAD_MODE_SETTERS, GRAPH_ATTRIBUTES, REQUIRES_GRAD, cannot_batch, no_graph,
                                          run_as_constant)
 from mixedad._hooks.composites import COMPOSITES, CompositeReentered, run_inside
@@ -185,10 +185,8 @@ class OpRules(TorchFunctionMode):
         _frozen_layers.forget_folds()  # a fold that a pass stopped early left behind (see _frozen_layers._fold)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs:
-            note_generator(kwargs.get("generator"))
-        else:
-            kwargs = {}
+        note_generators(args, kwargs)
+        kwargs = kwargs or {}
         if in_functorch_transform() and not self.in_batch():
             return func(*args, **kwargs)  # G runs torch.func.vmap (or another transform) inside
         if func in GRAD_MODE_SETTERS:

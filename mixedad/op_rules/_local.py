@@ -25,7 +25,7 @@ from mixedad._hooks.dual_level import dual, unpack
 from mixedad._hooks.function_apply import direct
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad.op_rules._double_vjp import double_vjp
-from mixedad.op_rules._errors import NeedsWholeG
+from mixedad.op_rules._errors import NeedsWholeG, OpRuleError
 from mixedad.op_rules._table import Path, Rule, defrule
 
 #: Torch ops whose forward-AD formula in PyTorch is known to be silently wrong: they take the
@@ -116,7 +116,13 @@ def _run_and_differentiate(call, name, func, leaves, spec, work, diff, tangents,
         for i in copied:  # non-leaf copies to write into
             work[i] = work[i].clone()
         call_args, call_kwargs = tree_unflatten(work, spec)
-        out = func(*call_args, **call_kwargs)
+        try:
+            out = func(*call_args, **call_kwargs)
+        except RuntimeError as error:  # the op itself refuses autograd (out= on inputs that require grad)
+            text = str(error).strip()
+            raise OpRuleError(f"{call}: {name} fails with grad enabled ({type(error).__name__}: "
+                              f"{text.splitlines()[0] if text else ''}), so neither its forward-mode formula nor its "
+                              f"backward gives its tangent; double backward fails there too.") from error
         if inplace and isinstance(leaves[0], torch.Tensor):
             out = work[0]
         out_leaves, out_spec = tree_flatten(out)

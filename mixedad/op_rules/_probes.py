@@ -38,12 +38,13 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from mixedad._frontend.random_state import undone
+from mixedad._frontend.random_state import RandomState, undone, watching
 from mixedad._hooks.dual_level import dual, dual_level_open, unpack
 from mixedad._hooks.function_apply import direct, has_own_jvp
 from mixedad._hooks.functorch import TangentBatch, is_wrapped, plain_example
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad._hooks.tensor_kinds import holds_values
+from mixedad.op_rules._errors import OpRuleError
 
 __all__ = ["Verdict", "TOLERANCE", "verdict", "verdict_in_batch", "verdict_under_transforms", "warn_disagreement",
            "forget", "new_plan"]
@@ -208,9 +209,11 @@ def _probe(apply, leaves, spec, with_jvp, jvp, values=True):
             work[i] = primal.detach().clone()
     if not bases:
         return _UNPROBED
+    start = RandomState()  # the tangent tested draws what the op drew (a rule for a random op: dropout's masks)
     try:
         call_args, call_kwargs = tree_unflatten(work, spec)
-        out_leaves = tree_flatten(apply(*call_args, **call_kwargs))[0]
+        with watching(start):
+            out_leaves = tree_flatten(apply(*call_args, **call_kwargs))[0]
     except Exception:  # noqa: BLE001 - the real call will raise it again, with its own context
         return _UNPROBED
     live = [j for j, o in enumerate(out_leaves)
@@ -248,6 +251,7 @@ def _probe(apply, leaves, spec, with_jvp, jvp, values=True):
         return _UNPROBED
     if not with_jvp:
         return Verdict(True, True, jvp_tested=False)
+    start.restore()
     agrees, numbers = _dot_product_test(jvp, leaves, spec, positions, bases, live, u1, b1, rand, dtype)
     if agrees is None:  # a rule that declined the probe's inputs: tested on the next call that has one
         return Verdict(True, True, jvp_tested=False)
@@ -265,6 +269,8 @@ def _dot_product_test(apply, leaves, spec, positions, bases, live, us, pulled, r
         with torch.no_grad():
             call_args, call_kwargs = tree_unflatten(work, spec)
             result = apply(*call_args, **call_kwargs)
+    except OpRuleError:
+        raise  # a user's rule that returns what is not a tangent, or raises: mixedad's error, naming it
     except Exception:  # noqa: BLE001 - no verdict on the jvp; the real call will show its error
         return True, None
     if result is NotImplemented:

@@ -4,10 +4,12 @@ import weakref
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
+from torch.overrides import TorchFunctionMode, resolve_name
 
 from mixedad._hooks.function_apply import has_setup_context
 from mixedad._hooks.library_ops import registry_keys
-from mixedad.op_rules._errors import UnderTransformError
+from mixedad._hooks.pytree import tree_flatten
+from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
 from mixedad.op_rules._probes import verdict, verdict_in_batch, warn_disagreement
 from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, arguments_of, pack
 
@@ -112,6 +114,7 @@ def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
     if not callable(op):
         raise TypeError(f"register({op!r}): expected a torch function, a torch.library op or a custom "
                         f"autograd.Function class, got {type(op).__name__}.")
+    _check_reaches_the_dispatch(op)
     keys = registry_keys(op)
 
     def decorate(rule: RuleFunction) -> RuleFunction:
@@ -127,6 +130,43 @@ def register(op: Any, *, arguments: Optional[Sequence[str]] = None,
         return rule
 
     return decorate
+
+
+def op_name_of(func):
+    return resolve_name(func) or getattr(func, "__qualname__", repr(func))
+
+
+class _Seen(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.funcs = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.funcs.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _check_reaches_the_dispatch(op):
+    """Refuse a Tensor operator method (``torch.Tensor.__mul__``) that reaches mixedad's dispatch under another
+    name (``a * b`` arrives as ``torch.Tensor.mul``): a rule for it would never run. Found by calling it once on
+    small tensors."""
+    name = getattr(op, "__name__", "")
+    if not (name.startswith("__") and getattr(torch.Tensor, name, None) is op):
+        return
+    seen, one = _Seen(), torch.ones(2)
+    for args in ((one, one), (one,)):
+        try:
+            with seen:
+                op(*args)
+        except Exception:  # noqa: BLE001 - the other arity
+            pass
+        if seen.funcs:
+            break
+    if seen.funcs and op not in seen.funcs:
+        arrives = op_name_of(seen.funcs[0])
+        raise TypeError(f"register(torch.Tensor.{name}): G's operator reaches mixedad as {arrives}, never as "
+                        f"torch.Tensor.{name}, so this rule would never run; register {arrives} (and the function "
+                        f"form G calls too, such as torch.mul).")
 
 
 def unregister(op: Any) -> None:
@@ -158,16 +198,45 @@ def _checked(rule, key):
             raise UnderTransformError(f"{op.call}: the rule {rule.__qualname__} registered for {op.name} calls a "
                                       f"custom Function without setup_context, which torch.func cannot run in a "
                                       f"batch of tangents")
-        return rule(op)
+        return _result(rule, op)
 
     return apply
+
+
+def _result(rule, op):
+    """``rule(op)``, checked to be what a rule returns: its own exceptions, and tangents unlike their outputs, are
+    mixedad errors that name the rule (mixedad's signals pass)."""
+    what = f"{op.call}: the tangent rule {rule.__qualname__} registered for {op.name}"
+    try:
+        result = rule(op)
+    except (OpRuleError, NeedsWholeG, RestartPass):
+        raise
+    except Exception as error:  # noqa: BLE001 - the user's rule failed: say whose
+        text = str(error).strip()
+        raise OpRuleError(f"{what} raised {type(error).__name__}{': ' + text.splitlines()[0] if text else ''}.") \
+            from error
+    if result is NotImplemented or not (isinstance(result, tuple) and len(result) == 2) or result[1] is None:
+        return result  # declined, or malformed (the dispatch says so), or no tangent
+    outputs = tree_flatten(result[0])[0]
+    tangents = tree_flatten(result[1], is_leaf=lambda x: x is None)[0]
+    for out, tangent in zip(outputs, tangents):
+        if tangent is None or not isinstance(out, torch.Tensor):
+            continue
+        shape = (op.batch.size, *out.shape) if op.lowered else tuple(out.shape)
+        if not isinstance(tangent, torch.Tensor) or tuple(tangent.shape) != shape or tangent.dtype != out.dtype:
+            got = (f"a {type(tangent).__name__}" if not isinstance(tangent, torch.Tensor) else
+                   f"a tangent of shape {tuple(tangent.shape)} and dtype {tangent.dtype}")
+            raise OpRuleError(f"{what} returned {got} for an output of shape {tuple(out.shape)} and dtype "
+                              f"{out.dtype}; a tangent is a tensor of its output's shape{' (after the batch)' if op.lowered else ''} "
+                              f"and dtype.")
+    return result
 
 
 def _check(rule, key, op):
     """The dot-product test of ``rule`` against the op's backward, on this call's arguments."""
 
-    def pushed(*args, **kwargs):
-        result = rule(OpCall(op.func, op.name, op.call, args, kwargs, op._names))
+    def pushed(*args, **kwargs):  # the rule on the probe's inputs, held to what a rule returns
+        result = _result(rule, OpCall(op.func, op.name, op.call, args, kwargs, op._names))
         return NotImplemented if result is NotImplemented else pack(*result)
 
     if op.batch is not None:

@@ -103,3 +103,29 @@ def test_input_grad_and_z_curvature_hand_g_a_copy(name):
     (dz,) = torch.autograd.grad(f(y.detach(), G(base.clone())), base, create_graph=True)
     assert_close(op @ u, torch.autograd.grad((dz * u).sum(), base)[0], rtol=1e-10)
     assert torch.equal(z, z0)
+
+
+def _sigmoid_relu(inplace):
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(3, 6, dtype=F64), nn.Sigmoid(), nn.ReLU(inplace=inplace), nn.Linear(6, 4, dtype=F64))
+
+
+#: G that overwrites a value its own backward saved, and the same G out of place. Double backward refuses the
+#: first ("modified by an inplace operation"); forward mode saves nothing, and gives the second's derivative.
+OVERWRITES = {
+    "tanh output scaled in place": (lambda q: torch.tanh(q @ W).mul_(2.0), lambda q: torch.tanh(q @ W).mul(2.0)),
+    "z read, then written": (lambda q: (q * q).sum(1, keepdim=True) * q.copy_(q.sin()) @ W,
+                             lambda q: (q * q).sum(1, keepdim=True) * q.sin() @ W),
+    "sigmoid then ReLU(inplace=True)": (_sigmoid_relu(True), _sigmoid_relu(False)),
+}
+
+
+@pytest.mark.parametrize("name", OVERWRITES)
+def test_where_double_backward_refuses_an_overwritten_saved_value_mixedad_gives_the_out_of_place_derivative(name):
+    G, out_of_place = OVERWRITES[name]
+    z, v, y = _problem(3)
+    expected = mixedad.reference.double_backward_mixed_grad(f, out_of_place, z, y, v)
+    for _ in range(3):
+        assert_close(mixedad.mixed_grad(f, G, z, y, v), expected, rtol=1e-10)
+    jac = mixedad.mixed_jacobian(f, G, z, y, chunk_size=5)
+    assert_close(torch.tensordot(v, jac, dims=2), expected, rtol=1e-10)

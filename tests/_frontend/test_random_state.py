@@ -188,12 +188,18 @@ def test_compile_never_bakes_a_host_side_draw_it_runs_eagerly_and_says_why():
 
 
 def test_a_random_state_holds_every_source_and_restores_them_all():
-    gen = torch.Generator().manual_seed(5)
-    with random_state.watching(RandomState()) as state:
-        torch.randn(3, generator=gen)  # first seen here: its state before this draw is recorded
+    gen, other = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
+
+    def G(z):  # a G whose generator is known from its first watched pass
+        return z * torch.randn(3, generator=gen)
+
+    with random_state.watching(RandomState(G)):
+        G(torch.ones(3))  # first seen here: its state before this draw is recorded, and remembered for G
+    with random_state.watching(RandomState()):
+        torch.randn(3, generator=other)  # seen for no G: not captured up front by G's states
     before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy(), gen.get_state())
-    state = RandomState()  # a generator seen before is captured up front
-    assert gen in state.generators and state.is_current()
+    state = RandomState(G)  # a generator seen before for G is captured up front
+    assert gen in state.generators and other not in state.generators and state.is_current()
     torch.randn(2), random.random(), np.random.rand(), torch.randn(2, generator=gen)
     assert state.drawn() == ["torch's global generator", "Python's random", "NumPy's global generator",
                              "a torch.Generator"]

@@ -16,7 +16,7 @@ def test_the_watch_is_one_mode_taken_off_by_a_dispatch_that_notes_generators_its
             with watch.off():
                 assert depth() == start
                 gen = torch.Generator().manual_seed(6)
-                watch.note_generator(gen)  # what mixedad's dispatch does for each op's generator
+                watch.note_generators((), {"generator": gen})  # what mixedad's dispatch does for each op
                 with watch.ops():  # code below the dispatch: a mode of its own
                     assert depth() == start + 1
             assert depth() == start + 1

@@ -300,3 +300,55 @@ def test_a_rule_registered_after_a_program_was_written_is_used_from_the_next_cal
     registered(torch.tanh, arguments=("input",))(_tanh_rule(1.0, calls))
     assert_close(mixedad.mixed_grad(f, G, z, y, v), double_backward_mixed_grad(f, G, z, y, v))
     assert calls and mixedad.tangent_report(G, z, v).route == "per-op pass"
+
+
+def test_an_operator_method_is_refused_with_the_form_that_reaches_the_dispatch():
+    with pytest.raises(TypeError, match=r"register\(torch.Tensor.__mul__\): G's operator reaches mixedad as "
+                                        r"torch.Tensor.mul, never as torch.Tensor.__mul__"):
+        register(torch.Tensor.__mul__)
+
+
+@pytest.mark.parametrize("returned, says", [
+    (lambda op, out: out.sum(-1), r"returned a tangent of shape \(4,\) and dtype torch.float64 for an output of "
+                                  r"shape \(4, 5\)"),
+    (lambda op, out: out.float(), r"returned a tangent of shape \(4, 5\) and dtype torch.float32"),
+    (lambda op, out: 1.0, r"returned a float for an output of shape \(4, 5\)"),
+])
+def test_a_rule_that_returns_what_is_not_its_outputs_tangent_is_a_mixedad_error(registered, returned, says):
+    W1, W2, z, y, v = problem(11)
+
+    @registered(torch.sinh, arguments=("input",))
+    def sinh_tangent(op):
+        out = op.primal()
+        return out, returned(op, torch.cosh(op.primals["input"]) * op.tangents["input"])
+
+    with pytest.raises(OpRuleError, match=r"mixed_grad\(f, G, z, y\): the tangent rule .*sinh_tangent registered for "
+                                          r"torch.sinh " + says):
+        mixedad.mixed_grad(f, lambda z: torch.sinh(z @ W1) @ W2, z, y, v)
+
+
+def test_a_rule_that_raises_is_a_mixedad_error_that_names_it(registered):
+    W1, W2, z, y, v = problem(12)
+
+    @registered(torch.sinh, arguments=("input",))
+    def unfinished(op):
+        raise ValueError("not written yet")
+
+    with pytest.raises(OpRuleError, match=r"the tangent rule .*unfinished registered for torch.sinh raised "
+                                          r"ValueError: not written yet"):
+        mixedad.mixed_grad(f, lambda z: torch.sinh(z @ W1) @ W2, z, y, v)
+
+
+def test_a_rule_for_a_random_op_is_checked_with_the_ops_own_draws(registered):
+    W1, W2, z, y, v = problem(13)
+
+    @registered(F.dropout, arguments=("input", "p", "training", "inplace"))
+    def dropout_tangent(op):
+        out = op.primal()
+        return out, torch.where(out != 0, op.tangents["input"] / (1 - op.primals["p"]), 0.0)
+
+    G = lambda z: F.dropout(torch.tanh(z @ W1), 0.3, training=True) @ W2  # noqa: E731
+    torch.manual_seed(4)
+    ours = mixedad.mixed_grad(f, G, z, y, v)  # no warning: the rule is right
+    torch.manual_seed(4)
+    assert_close(ours, double_backward_mixed_grad(f, G, z, y, v))
