@@ -146,12 +146,13 @@ class _Seen(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _check_reaches_the_dispatch(op):
+def _check_reaches_the_dispatch(op: Callable[..., Any]) -> None:
     """Refuse a Tensor operator method (``torch.Tensor.__mul__``) that reaches mixedad's dispatch under another
     name (``a * b`` arrives as ``torch.Tensor.mul``): a rule for it would never run. Found by calling it once on
     small tensors."""
     name = getattr(op, "__name__", "")
-    if not (name.startswith("__") and getattr(torch.Tensor, name, None) is op):
+    method: Any = getattr(torch.Tensor, name, None)
+    if not name.startswith("__") or method is not op:
         return
     seen, one = _Seen(), torch.ones(2)
     for args in ((one, one), (one,)):
