@@ -11,9 +11,10 @@ and a sequence of steps: calls of mixedad (``mixed_grad``, a ``vmap`` over its t
 ``mixed_jacobian``, ``input_grad`` forward and backward, ``z_curvature`` products, ``implicit_grad``,
 ``implicit_argmin`` forward and backward, ``cached_backward``, ``tangent_report``) and things the
 user does between them (write a weight in place, swap a module, register a rule, ...). Each call
-has its naive twin, written in this file and not from ``mixedad.reference``:
+has its naive twin, written in tests/review_state_common.py (with the harness this file shares with
+tests/test_review_state_more.py) and not from ``mixedad.reference``:
 ``torch.autograd.grad(torch.autograd.grad(f(y, G(z)), z, create_graph=True)[0], y, v)`` and its
-kin, one plain forward of G per call (per chunk for ``input_grad``).
+kin, one plain forward of G per call (per chunk for ``input_grad``). This file holds the cases.
 
 The case is built twice from the same seeds: one copy runs the naive sequence, the other
 mixedad's, from the same global random states (torch's CPU generator, Python's ``random``,
@@ -26,141 +27,62 @@ NumPy's global generator; G's own ``torch.Generator``s are built with the copy).
 
 After every case, whatever the verdict, these must hold (a "leak" otherwise): torch's global RNG,
 Python's random state, NumPy's global state and each generator G uses end where the naive
-sequence leaves them; module buffers, parameters and training flags as the naive sequence leaves
-them; the caller's v, y and the tensors the steps pass (W, u, V) unchanged, and z as the naive
-sequence leaves it (unchanged: naive code hands a G that writes its input a copy); no torch
-function or dispatch mode, forward-AD level, functorch level or changed grad mode left behind, no
-torch attribute patched; and each step's own checks (a user rule's calls counted, what
-``tangent_report`` says).
+sequence leaves them; module buffers, parameters, training flags and plain attributes (numbers,
+strings) as the naive sequence leaves them; the caller's v, y and the tensors the steps pass (W, u,
+V) unchanged, z as the naive sequence leaves it (unchanged: naive code hands a G that writes its
+input a copy), and ``cached_backward``'s inputs too; no torch function or dispatch mode, forward-AD
+level, functorch level or changed grad mode left behind, no torch attribute patched; no right rule
+rejected; and each step's own checks (a user rule's calls counted, what ``tangent_report`` says).
 
 ``python -m tests.test_review_state`` prints a table of the verdicts now.
 """
 import random
 import re
-import time
-import types
-import warnings
 
 import numpy as np
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (importing it replaces torch.manual_seed: do that before any snapshot)
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd import Function, forward_ad
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.autograd import Function
 
 import mixedad
 
-from tests.seams_common import attributes as _attributes, check, first_line, rel_error
+from tests.review_state_common import (DAMPING, DT, MUL_ARGS, RTOL, SHARED_ROUTES, TANH_ARGS, WRONG_WARNING, Call,
+                                       Check, Do, Review, codes, counted, f_imp, f_vec, first_tangent, forget, ig,
+                                       igamma_tail, lin, mat, mul_rule, no_grad_do, problem, register_step, seq_mlp,
+                                       seq_tanh, tanh_G, tanh_rule, unregister_step, used, W_like)
+from tests.seams_common import check
 
-DT = torch.float64
-RTOL = 1e-9
+#: Errors of mixedad's own open with one of the public calls this review makes.
 OWN_ERROR = re.compile(r"^\s*(mixed_grad|input_grad|mixed_jacobian|z_curvature|implicit_grad|implicit_argmin|"
                        r"cached_backward|tangent_report)\(")
-#: A warning no "exact" case may give: a right rule (or jvp) rejected.
-DISAGREES = r"disagrees with the backward"
-#: Damping for implicit differentiation: the Hessians here are indefinite without it.
-DAMPING = 100.0
-
-# torch.compile's first use wraps nn.Module.__init__ and __setstate__ (dynamo's generation tagging); do it
-# now, so that the check for patched torch attributes does not blame the first compile=True case.
-torch._dynamo.mutation_guard.install_generation_tagging_init()
+REVIEW = Review(OWN_ERROR)
+CASES, case = REVIEW.cases, REVIEW.case
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 # ----------------------------------------------------------------------------------------------
-# The case table
+# The case table: G, f and the routes this review tries them with
 # ----------------------------------------------------------------------------------------------
-
-CASES = []
-
-
-def case(area, expect="exact", match=None, rtol=RTOL, name=None, not_match=None):
-    """Register a builder. ``expect``: "exact", "refused", "warns", or alternatives joined by "|".
-
-    ``match`` is the regex a refusal's message (for "refused") or a warning (for "warns", written
-    ``Category: message``) must match; a warning that also matches ``not_match`` does not count.
-    """
-
-    def register(build):
-        CASES.append(types.SimpleNamespace(area=area, name=name or build.__name__, build=build, expect=expect,
-                                           match=match, rtol=rtol, not_match=not_match))
-        return build
-
-    return register
-
-
-class Call:
-    """A public call of mixedad (``kind``), run on the mixedad copy; its naive twin on the other."""
-
-    def __init__(self, what, **opts):
-        self.kind, self.opts = what, opts
-
-
-class Do:
-    """Something the user does between calls, on both copies alike."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-
-class Check:
-    """A check on the mixedad copy only: ``fn(p)`` returns a list of problems."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-
-def problem(G, z, steps, *, y=None, v=None, f=None, gens=(), modules=(), writes_z=False, **extra):
-    y = torch.randn(4, dtype=DT) if y is None else y
-    v = torch.randn_like(z) if v is None and isinstance(z, torch.Tensor) else v
-    return types.SimpleNamespace(G=G, f=f_vec if f is None else f, z=z, y=y, v=v, steps=steps, gens=list(gens),
-                                 modules=list(modules), writes_z=writes_z, ctx={}, problems=[], counter=[0],
-                                 cleanups=[], **extra)
-
-
-def mat(n_in, n_out):
-    return torch.randn(n_in, n_out, dtype=DT) / n_in ** 0.5 * 1.5
-
-
-def lin(n_in, n_out):
-    return nn.Linear(n_in, n_out, dtype=DT)
-
-
-def codes(n=4, d=3):
-    return torch.randn(n, d, dtype=DT)
-
-
-def f_vec(y, g):
-    """A per-code sum: y (D,) meets each floating leaf of g along its last dim, non-linearly."""
-    total = 0.0
-    for leaf in tree_leaves(g):
-        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
-            continue
-        w = y[: leaf.shape[-1]]
-        total = total + (torch.sin(leaf * w) + leaf.pow(2) * torch.cos(w) + leaf.pow(3) * w).sum()
-    return total
-
 
 def f_dict(y, g):
     """f for a dict y {"a": (4,), "b": (2,)}."""
     return (torch.sin(g * y["a"]) + g.pow(3) * y["a"]).sum() + (g[..., :2] ** 2 * y["b"].exp()).sum()
 
 
-def f_imp(y, g):
-    """A fit with a mixed term in y and g, for curvature and implicit differentiation."""
-    return ((g - y) ** 2).sum() + 0.1 * (g ** 4).sum() + (torch.sin(g) * y).sum()
-
-
-def W_like(z):
-    return torch.randn(z.shape, dtype=DT)
-
-
-def ig(chunk=None, **opts):
-    """input_grad forward then backward."""
-    return [Call("ig_fwd", chunk=chunk, **{k: v for k, v in opts.items() if k in ("compile",)}),
-            Call("ig_bwd", **{k: v for k, v in opts.items() if k not in ("compile",)})]
+#: The routes G is tried with, by name: calls that run G more than once in mixedad (a restart, a replay, products),
+#: or several calls in a row. Here a vmap over v keeps vmap's default randomness="error" (a G that draws is
+#: vmapped with randomness="same" by its own case), and a GGN operator takes a product and a matmat.
+ROUTES = {
+    **SHARED_ROUTES,
+    "mg_twice": lambda z: [Call("mg"), Call("mg")],
+    "vmap": lambda z: [Call("vmap", V=torch.randn(3, *z.shape, dtype=DT))],
+    "compile": lambda z: [Call("mg", compile=True) for _ in range(3)],
+    "curv_dense": lambda z: [Call("curv", kind="hessian"), Call("dense")],
+    "curv_ggn": lambda z: [Call("curv", kind="ggn"), Call("matvec", u=W_like(z)), Call("matmat", U=torch.randn(
+        2, *z.shape, dtype=DT))],
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,16 +161,6 @@ class Noisy(nn.Module):
         return self.l2(draw(self.source, self.gens)(torch.tanh(self.l1(q))))
 
 
-def igamma_tail(W3):
-    """torch.igamma in x: no forward-AD formula and not in NO_FORMULA, so the pass restarts on it
-    (its backward can be differentiated, so double backward answers)."""
-
-    def tail(h):
-        return torch.igamma(torch.full_like(h, 1.5), h ** 2 + 0.5) @ W3
-
-    return tail
-
-
 def grid_sample_tail(W3):
     """grid_sample: an op in NO_FORMULA (the local rule, no restart)."""
     grid = torch.rand(1, 2, 2, 2, dtype=DT) * 2 - 1
@@ -303,28 +215,6 @@ def noisy_function(source, gens):
     return NoisySine
 
 
-def forget():
-    return Do(lambda p: mixedad.op_rules.forget_failures())
-
-
-# z_curvature: the naive operator is one forward of G with its graph kept, then double-backward products
-# from it. As docs/semantics.md ("Limits") says, an operator and its products leave G's buffers and every
-# random source as they were (an operator is not a forward pass of G: each product replays the state it was
-# built from), so the naive twin puts them back after its forward.
-_RANDOM_CALLS = {
-    "mg": lambda z: [Call("mg")],
-    "ig": lambda z: ig(None, W=W_like(z)),
-    "ig_chunk": lambda z: ig(2, W=W_like(z)),
-    "mj": lambda z: [Call("mj", chunk_size=5)],
-    "curv": lambda z: [Call("curv", kind="hessian"), Call("matvec", u=W_like(z)), Call("matvec", u=W_like(z))],
-    "curv_dense": lambda z: [Call("curv", kind="hessian"), Call("dense")],
-    "curv_ggn": lambda z: [Call("curv", kind="ggn"), Call("matvec", u=W_like(z)), Call("matmat", U=torch.randn(
-        2, *z.shape, dtype=DT))],
-    "implicit": lambda z: [Call("implicit", w=W_like(z), damping=DAMPING)],
-    "argmin": lambda z: [Call("argmin_fwd", damping=DAMPING), Call("argmin_bwd", W=W_like(z))],
-}
-
-
 def _random_case(source, call, *, tail=None, module=False, name=None, f=None, pre=()):
     def build():
         if module:
@@ -334,7 +224,7 @@ def _random_case(source, call, *, tail=None, module=False, name=None, f=None, pr
             t = None if tail is None else tail()
             G, gens = random_G(source, t)
         z = codes()
-        return problem(G, z, [*pre, *_RANDOM_CALLS[call](z)], gens=gens,
+        return problem(G, z, [*pre, *ROUTES[call](z)], gens=gens,
                        f=f or (f_imp if call in ("implicit", "argmin") else f_vec))
 
     build.__name__ = name or f"{source}__{call}{'__module' if module else ''}"
@@ -387,7 +277,7 @@ def _function_case(source, call):
         W1, W2 = mat(3, 6), mat(6, 4)
         G = lambda q: Fn.apply(q @ W1) @ W2  # noqa: E731
         z = codes()
-        return problem(G, z, _RANDOM_CALLS[call](z), gens=gens)
+        return problem(G, z, ROUTES[call](z), gens=gens)
 
     build.__name__ = f"{source}__custom_function_first_use__{call}"
     case("random sources")(build)
@@ -468,29 +358,6 @@ def gen_randn__vmap_randomness_same():
 # ----------------------------------------------------------------------------------------------
 # Area 2: state changed between build and use raises (and mixedad's own replays do not)
 # ----------------------------------------------------------------------------------------------
-
-def seq_mlp(norm=None):
-    layers = [lin(3, 6)]
-    if norm == "bn_eval":
-        layers.append(nn.BatchNorm1d(6, dtype=DT))
-    elif norm == "bn_train":
-        layers.append(nn.BatchNorm1d(6, dtype=DT))
-    layers += [nn.Tanh(), lin(6, 4)]
-    G = nn.Sequential(*layers)
-    if norm == "bn_eval":
-        with torch.no_grad():
-            G[1].running_mean.normal_()
-            G[1].running_var.uniform_(0.5, 2.0)
-        G.eval()
-    return G
-
-
-def no_grad_do(fn):
-    def run(p):
-        with torch.no_grad():
-            fn(p)
-
-    return Do(run)
 
 
 def _ig_change(name, change, match, chunk=None, norm=None, expect="refused", user_writes_z=False):
@@ -717,32 +584,6 @@ def scaled_tanh_function():
     return ScaledTanh
 
 
-def counted(p, fn):
-    """``fn`` as a rule whose calls are counted in ``p.counter``."""
-
-    def rule(op):
-        p.counter[0] += 1
-        return fn(op)
-
-    rule.__qualname__ = fn.__qualname__
-    rule.__name__ = fn.__name__
-    return rule
-
-
-def first_tangent(op):
-    name = next(k for k, t in op.tangents.items() if t is not None)
-    return op.primals[name], op.tangents[name]
-
-
-def tanh_rule(scale):
-    def tanh_tangent(op):
-        x, dx = first_tangent(op)
-        return op.primal(), scale * (1 - torch.tanh(x) ** 2) * dx
-
-    tanh_tangent.__qualname__ = "right_tanh_tangent" if scale == 1 else "wrong_tanh_tangent"
-    return tanh_tangent
-
-
 def sin_rule(scale, factor=1.0):
     """For sin(x) times ``factor``: right at scale 1."""
 
@@ -763,51 +604,7 @@ def linear_rule(scale):
     return linear_tangent
 
 
-def mul_rule(b_scale):
-    """d(a*b) = da b + a db; the b term scaled by ``b_scale`` (wrong unless 1)."""
-
-    def mul_tangent(op):
-        a, b = op.primals["input"], op.primals["other"]
-        da, db = op.tangents["input"], op.tangents["other"]
-        t = 0
-        if da is not None:
-            t = t + da * b
-        if db is not None:
-            t = t + b_scale * a * db
-        return op.primal(), t
-
-    mul_tangent.__qualname__ = "right_mul_tangent" if b_scale == 1 else "mul_tangent_wrong_in_b"
-    return mul_tangent
-
-
-def register_step(op, make_rule, arguments=None):
-    """A step that registers ``make_rule(p)`` (counted) for ``op``; unregistered when the sequence ends."""
-
-    def run(p):
-        rule = counted(p, make_rule(p))
-        p.rule = rule
-        mixedad.op_rules.register(op, arguments=arguments)(rule)
-        p.cleanups.append(lambda: mixedad.op_rules.unregister(op))
-
-    return Do(run)
-
-
-def unregister_step(op):
-    return Do(lambda p: mixedad.op_rules.unregister(op))
-
-
-TANH_ARGS = ("input",)
-MUL_ARGS = ("input", "other")
 LINEAR_ARGS = ("input", "weight", "bias")
-
-
-def tanh_G():
-    W1, W2 = mat(3, 6), mat(6, 4)
-    return lambda q: torch.tanh(q @ W1) @ W2
-
-
-def seq_tanh():
-    return nn.Sequential(lin(3, 6), nn.Tanh(), lin(6, 4))
 
 
 def report_says(op_name, path, absent=False):
@@ -826,34 +623,23 @@ def report_says(op_name, path, absent=False):
 
 
 #: A rejected rule's warning: a RuntimeWarning that names the rule and gives both numbers of the dot-product test.
-WRONG_WARNING = (r"^RuntimeWarning: .*{}.*disagree.*=\s*[-+]?(\d[\d.]*(e[-+]?\d+)?|nan|inf)"
-                 r".*=\s*[-+]?(\d[\d.]*(e[-+]?\d+)?|nan|inf)")
 
 
 def _wrong_rule_case(name, build_G, op, rule, arguments, route, warn_name):
     def build():
         G = build_G()
         z = codes()
-        steps = [register_step(op, lambda p: rule, arguments), *_ROUTES[route](z)]
+        steps = [register_step(op, lambda p: rule, arguments), *ROUTES[route](z)]
         return problem(G, z, steps)
 
     build.__name__ = name
     case("user rules", expect="warns", match=WRONG_WARNING.format(warn_name))(build)
 
 
-_ROUTES = {
-    "mg": lambda z: [Call("mg")],
-    "seq5": lambda z: [Call("mg") for _ in range(5)],
-    "vmap": lambda z: [Call("vmap", V=torch.randn(3, *z.shape, dtype=DT))],
-    "mj": lambda z: [Call("mj", chunk_size=5)],
-    "ig_chunk": lambda z: ig(2, W=W_like(z)),
-    "compile": lambda z: [Call("mg", compile=True) for _ in range(3)],
-}
-
 _wrong_rule_case("wrong_rule_torch_tanh_plain_G", tanh_G, torch.tanh, tanh_rule(2.0), TANH_ARGS, "mg",
                  "wrong_tanh_tangent")
 _wrong_rule_case("wrong_rule_torch_tanh_sequential_five_calls", seq_tanh, torch.tanh, tanh_rule(2.0), TANH_ARGS,
-                 "seq5", "wrong_tanh_tangent")
+                 "five", "wrong_tanh_tangent")
 _wrong_rule_case("wrong_rule_torch_tanh_vmap", tanh_G, torch.tanh, tanh_rule(2.0), TANH_ARGS, "vmap",
                  "wrong_tanh_tangent")
 _wrong_rule_case("wrong_rule_torch_tanh_mixed_jacobian", tanh_G, torch.tanh, tanh_rule(2.0), TANH_ARGS, "mj",
@@ -861,7 +647,7 @@ _wrong_rule_case("wrong_rule_torch_tanh_mixed_jacobian", tanh_G, torch.tanh, tan
 _wrong_rule_case("wrong_rule_torch_tanh_input_grad_chunks", tanh_G, torch.tanh, tanh_rule(2.0), TANH_ARGS, "ig_chunk",
                  "wrong_tanh_tangent")
 _wrong_rule_case("wrong_rule_F_linear_sequential_five_calls", seq_tanh, F.linear, linear_rule(0.5), LINEAR_ARGS,
-                 "seq5", "wrong_linear_tangent")
+                 "five", "wrong_linear_tangent")
 _wrong_rule_case("wrong_rule_library_op", lambda: (lambda W1, W2: (lambda q: LIB_OP(q @ W1) @ W2))(
     mat(3, 6), mat(6, 4)), LIB_OP, sin_rule(3.0, 2.0), None, "mg", "wrong_sin_tangent")
 _wrong_rule_case("wrong_rule_library_op_input_grad_chunks", lambda: (lambda W1, W2: (lambda q: LIB_OP(q @ W1) @ W2))(
@@ -897,7 +683,7 @@ def _wrong_function_rule(route):
         Fn = scaled_tanh_function()
         G = _function_G(Fn)
         z = codes()
-        steps = [register_step(Fn, lambda p: tanh_rule(2.0)), *_ROUTES[route](z)]
+        steps = [register_step(Fn, lambda p: tanh_rule(2.0)), *ROUTES[route](z)]
         return problem(G, z, steps)
 
     build.__name__ = f"wrong_rule_custom_function__{route}"
@@ -923,12 +709,7 @@ class TanhNet(nn.Module):
 def wrong_rule_torch_tanh_compile():
     G = TanhNet()
     z = codes()
-    return problem(G, z, [register_step(torch.tanh, lambda p: tanh_rule(2.0), TANH_ARGS), *_ROUTES["compile"](z)])
-
-
-def used(flag=True):
-    """Options for a Call: the registered rule must (or must not) be called during it."""
-    return {"rule_used": flag}
+    return problem(G, z, [register_step(torch.tanh, lambda p: tanh_rule(2.0), TANH_ARGS), *ROUTES["compile"](z)])
 
 
 def _right_rule_case(name, build_G, op, rule, arguments, route, report_name=None):
@@ -936,7 +717,7 @@ def _right_rule_case(name, build_G, op, rule, arguments, route, report_name=None
         G = build_G()
         z = codes()
         steps = [register_step(op, lambda p: rule, arguments)]
-        for step in _ROUTES[route](z):
+        for step in ROUTES[route](z):
             if step.kind != "ig_fwd":  # input_grad's forward is a reverse pass: the rule runs in its backward
                 step.opts.update(used())
             steps.append(step)
@@ -950,12 +731,12 @@ def _right_rule_case(name, build_G, op, rule, arguments, route, report_name=None
 
 _right_rule_case("right_rule_torch_tanh_plain_G", tanh_G, torch.tanh, tanh_rule(1.0), TANH_ARGS, "mg", "tanh")
 _right_rule_case("right_rule_torch_tanh_sequential_five_calls", seq_tanh, torch.tanh, tanh_rule(1.0), TANH_ARGS,
-                 "seq5", "tanh")
+                 "five", "tanh")
 _right_rule_case("right_rule_torch_tanh_vmap", tanh_G, torch.tanh, tanh_rule(1.0), TANH_ARGS, "vmap")
 _right_rule_case("right_rule_torch_tanh_mixed_jacobian", tanh_G, torch.tanh, tanh_rule(1.0), TANH_ARGS, "mj")
 _right_rule_case("right_rule_torch_tanh_compile", TanhNet, torch.tanh, tanh_rule(1.0), TANH_ARGS, "compile", "tanh")
 _right_rule_case("right_rule_F_linear_sequential_five_calls", seq_tanh, F.linear, linear_rule(1.0), LINEAR_ARGS,
-                 "seq5", "linear")
+                 "five", "linear")
 _right_rule_case("right_rule_library_op_plain_G", lambda: (lambda W1, W2: (lambda q: LIB_OP(q @ W1) @ W2))(
     mat(3, 6), mat(6, 4)), LIB_OP, sin_rule(1.0, 2.0), None, "mg", "scaled_sin")
 _right_rule_case("right_rule_sequential_input_grad_chunks", seq_tanh, torch.tanh, tanh_rule(1.0), TANH_ARGS,
@@ -967,8 +748,7 @@ def right_rule_custom_function_tangent_report():
     Fn = scaled_tanh_function()
     G = _function_G(Fn)
     z = codes()
-    rule = tanh_rule(3.0)
-    rule.__qualname__ = "right_scaled_tanh_tangent"
+    rule = tanh_rule(3.0, name="right_scaled_tanh_tangent")
     return problem(G, z, [register_step(Fn, lambda p: rule), Call("mg", **used()), Call("report"),
                           report_says("ScaledTanh", "user rule")])
 
@@ -1169,24 +949,11 @@ def elu_first():
     return nn.Sequential(nn.ELU(inplace=True), lin(3, 6), nn.Tanh(), lin(6, 4))
 
 
-_INPLACE_ROUTES = {
-    "mg_twice": lambda z: [Call("mg"), Call("mg")],
-    "ig": lambda z: ig(None, W=W_like(z)),
-    "ig_chunk": lambda z: ig(2, W=W_like(z)),
-    "mj": lambda z: [Call("mj", chunk_size=5)],
-    "vmap": lambda z: [Call("vmap", V=torch.randn(3, *z.shape, dtype=DT))],
-    "five": lambda z: [Call("mg") for _ in range(5)],
-    "curv": lambda z: [Call("curv", kind="hessian"), Call("matvec", u=W_like(z)), Call("matvec", u=W_like(z))],
-    "implicit": lambda z: [Call("implicit", w=W_like(z), damping=DAMPING)],
-    "compile": lambda z: [Call("mg", compile=True) for _ in range(3)],
-}
-
-
 def _inplace_case(name, build_G, route, expect="exact", match=None, f=None):
     def build():
         G = build_G()
         z = codes()
-        return problem(G, z, _INPLACE_ROUTES[route](z), writes_z=True,
+        return problem(G, z, ROUTES[route](z), writes_z=True,
                        f=f or (f_imp if route == "implicit" else f_vec))
 
     build.__name__ = name
@@ -1470,623 +1237,18 @@ def mixed_jacobian_nested_dict_y():
 
 
 # ----------------------------------------------------------------------------------------------
-# The calls: mixedad's and their naive twins
+# The table's tests (the harness, the calls and their naive twins: tests/review_state_common.py)
 # ----------------------------------------------------------------------------------------------
-
-def _zs(z):
-    return list(z) if isinstance(z, (tuple, list)) else [z]
-
-
-def leaf_copies(y):
-    return tree_map(lambda t: t.detach().clone().requires_grad_(), y)
-
-
-def _grads(outputs, inputs, grad_outputs=None, retain_graph=None):
-    """torch.autograd.grad with zeros for inputs that do not take part."""
-    outputs = [o for o in outputs]
-    live = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
-    if not live:
-        return [torch.zeros_like(x) for x in inputs]
-    grads = torch.autograd.grad([outputs[i] for i in live], inputs,
-                                None if grad_outputs is None else [grad_outputs[i] for i in live],
-                                retain_graph=retain_graph, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
-
-
-def naive_forward(p, G=None, z=None, chunk=None):
-    """(z's leaves requiring grad, G's output): one plain forward (per chunk), with a graph.
-
-    Where G writes its input, G receives a non-leaf copy (double backward cannot write a leaf, so naive
-    code clones it), and the caller's z is left as it was: mixedad writes nothing the caller passed.
-    """
-    G = getattr(p, "truth_G", p.G) if G is None else G
-    z = p.z if z is None else z
-    tuple_z = isinstance(z, (tuple, list))
-    zs = _zs(z)
-    leaves = [t.detach().clone().requires_grad_() for t in zs]
-    if chunk is not None:
-        out = []
-        for i in range(0, zs[0].shape[0], chunk):
-            q = leaves[0][i:i + chunk].clone() if p.writes_z else leaves[0][i:i + chunk]
-            out.append(G(q))
-        return leaves, out
-    inputs = [t.clone() for t in leaves] if p.writes_z else leaves
-    out = G(*inputs) if tuple_z else G(inputs[0])
-    return leaves, out
-
-
-def _opts(p, o):
-    return (o.get("G", p.G), o.get("z", p.z), o.get("y", p.y), o.get("f", p.f))
-
-
-def naive_mg(p, **o):
-    G, z, y, f = _opts(p, o)
-    v = o.get("v", p.v)
-    with torch.enable_grad():
-        yl = leaf_copies(y)
-        leaves, spec = tree_flatten(yl)
-        zl, out = naive_forward(p, G if "G" in o else None, z)
-        gz = torch.autograd.grad(f(yl, out), zl, create_graph=True, allow_unused=True)
-        gz = [torch.zeros_like(t) if g is None else g for g, t in zip(gz, zl)]
-        grads = _grads(gz, leaves, _zs(v))
-    return tree_unflatten([g.detach() for g in grads], spec)
-
-
-def mixedad_mg(p, **o):
-    G, z, y, f = _opts(p, o)
-    return mixedad.mixed_grad(f, G, z, y, o.get("v", p.v), compile=o.get("compile", False))
-
-
-def naive_vmap(p, V, **o):
-    G, z, y, f = _opts(p, o)
-    with torch.enable_grad():
-        yl = leaf_copies(y)
-        leaves, spec = tree_flatten(yl)
-        zl, out = naive_forward(p, G if "G" in o else None, z)
-        (gz,) = torch.autograd.grad(f(yl, out), zl, create_graph=True)
-        rows = [_grads([gz], leaves, [v], retain_graph=True) for v in V]
-    return tree_unflatten([torch.stack([r[i] for r in rows]).detach() for i in range(len(leaves))], spec)
-
-
-def mixedad_vmap(p, V, **o):
-    G, z, y, f = _opts(p, o)
-    return torch.func.vmap(lambda v: mixedad.mixed_grad(f, G, z, y, v, compile=o.get("compile", False)),
-                           randomness=o.get("randomness", "error"))(V)
-
-
-def naive_mj(p, **o):
-    G, z, y, f = _opts(p, o)
-    with torch.enable_grad():
-        yl = leaf_copies(y)
-        leaves, spec = tree_flatten(yl)
-        zl, out = naive_forward(p, G if "G" in o else None, z)
-        (gz,) = torch.autograd.grad(f(yl, out), zl, create_graph=True)
-        rows = []
-        for i in range(z.numel()):
-            e = torch.zeros(z.numel(), dtype=z.dtype)
-            e[i] = 1
-            rows.append(_grads([gz], leaves, [e.reshape(z.shape)], retain_graph=True))
-    return tree_unflatten([torch.stack([r[j] for r in rows]).reshape(*z.shape, *leaf.shape).detach()
-                           for j, leaf in enumerate(leaves)], spec)
-
-
-def mixedad_mj(p, **o):
-    G, z, y, f = _opts(p, o)
-    return mixedad.mixed_jacobian(f, G, z, y, chunk_size=o.get("chunk_size"), compile=o.get("compile", False))
-
-
-def outer_loss(dfdz, W):
-    return (W * dfdz).sum() + 0.5 * (dfdz ** 2).sum()
-
-
-def naive_ig_fwd(p, chunk=None, **o):
-    with torch.enable_grad():
-        yl = leaf_copies(p.y)
-        zl, outs = naive_forward(p, chunk=chunk)
-        total = p.f(yl, outs) if chunk is None else sum(p.f(yl, out) for out in outs)
-        (gz,) = torch.autograd.grad(total, zl, create_graph=True)
-    p.ctx["yl"], p.ctx["dfdz"] = tree_leaves(yl), gz
-    return gz.detach()
-
-
-def mixedad_ig_fwd(p, chunk=None, **o):
-    yl = leaf_copies(p.y)
-    dfdz = mixedad.input_grad(p.f, p.G, p.z, yl, chunk_size=chunk, compile=o.get("compile", False))
-    p.ctx["yl"], p.ctx["dfdz"] = tree_leaves(yl), dfdz
-    return dfdz.detach()
-
-
-def ig_bwd(p, W, retain=False, **o):
-    with torch.enable_grad():
-        loss = outer_loss(p.ctx["dfdz"], W)
-        return [g.detach() for g in _grads([loss], p.ctx["yl"], retain_graph=retain)]
-
-
-def naive_curv(p, kind="hessian", damping=0.0, **o):
-    before = _operator_state(p)
-    with torch.enable_grad():
-        zl, out = naive_forward(p)
-        _restore_operator_state(p, before)  # the operator leaves G's buffers and every random source as they were
-        y = tree_map(lambda t: t.detach(), p.y)
-        p.ctx["curv"] = (kind, damping, zl)
-        if kind == "hessian":
-            (gz,) = torch.autograd.grad(p.f(y, out), zl, create_graph=True)
-            p.ctx["gz"] = gz
-        else:
-            o_det = out.detach().requires_grad_()
-            (gf,) = torch.autograd.grad(p.f(y, o_det), o_det, create_graph=True)
-            p.ctx["ggn"] = (out, o_det, gf)
-    return None
-
-
-def _operator_state(p):
-    return (global_random(), [g.get_state() for g in p.gens],
-            [b.detach().clone() for m in _modules(p) for b in m.buffers(recurse=False)])
-
-
-def _restore_operator_state(p, state):
-    randoms, generators, buffers = state
-    set_global_random(randoms)
-    for g, s in zip(p.gens, generators):
-        g.set_state(s)
-    for b, saved in zip([b for m in _modules(p) for b in m.buffers(recurse=False)], buffers):
-        b.data.copy_(saved)  # no version bump: the naive graph kept saves buffers (batch norm's statistics)
-
-
-def mixedad_curv(p, kind="hessian", damping=0.0, keep_graph=False, **o):
-    p.ctx["op"] = mixedad.z_curvature(p.f, p.G, p.z, p.y, kind=kind, damping=damping, keep_graph=keep_graph)
-    return None
-
-
-def _naive_product(p, u):
-    kind, damping, (zl,) = p.ctx["curv"]
-    with torch.enable_grad():
-        if kind == "hessian":
-            (hu,) = _grads([p.ctx["gz"]], [zl], [u], retain_graph=True)
-        else:
-            out, o_det, gf = p.ctx["ggn"]
-            w = torch.zeros_like(out, requires_grad=True)
-            (vjp,) = torch.autograd.grad(out, zl, w, create_graph=True)
-            (ju,) = torch.autograd.grad(vjp, w, u, retain_graph=True)
-            (hju,) = _grads([gf], [o_det], [ju], retain_graph=True)
-            (hu,) = _grads([out], [zl], [hju], retain_graph=True)
-    return (hu + damping * u).detach()
-
-
-def naive_matvec(p, u, **o):
-    return _naive_product(p, u)
-
-
-def naive_matmat(p, U, **o):
-    return torch.stack([_naive_product(p, u) for u in U])
-
-
-def naive_dense(p, **o):
-    zl = p.ctx["curv"][2][0]
-    n = zl.numel()
-    rows = []
-    for i in range(n):
-        e = torch.zeros(n, dtype=zl.dtype)
-        e[i] = 1
-        rows.append(_naive_product(p, e.reshape(zl.shape)).reshape(-1))
-    return torch.stack(rows)
-
-
-def _naive_damped_hessian(p, y_tree, damping, z=None):
-    """(H + damping I, dL/dz with its graph, z's leaf): L's Hessian in z, dense, by double backward."""
-    (zl,), out = naive_forward(p, z=z)
-    (gz,) = torch.autograd.grad(p.f(y_tree, out), zl, create_graph=True)
-    n = zl.numel()
-    H = []
-    for i in range(n):
-        e = torch.zeros(n, dtype=zl.dtype)
-        e[i] = 1
-        H.append(_grads([gz], [zl], [e.reshape(zl.shape)], retain_graph=True)[0].reshape(-1))
-    return torch.stack(H) + damping * torch.eye(n, dtype=zl.dtype), gz, zl
-
-
-def naive_implicit_grad(p, w, damping, z=None, y=None):
-    """-(d2L/dz dy)^T (H + damping I)^-1 w, by double backward and a dense solve."""
-    y = p.y if y is None else y
-    with torch.enable_grad():
-        yl = leaf_copies(y)
-        leaves, spec = tree_flatten(yl)
-        H, gz, zl = _naive_damped_hessian(p, yl, damping, z=z)
-        s = torch.linalg.solve(H, w.reshape(-1)).reshape(zl.shape)
-        grads = _grads([gz], leaves, [-s])
-    return tree_unflatten([g.detach() for g in grads], spec)
-
-
-def mixedad_implicit(p, w, damping, **o):
-    return mixedad.implicit_grad(p.f, p.G, p.z, p.y, w, damping=damping, tol=1e-13, maxiter=200)
-
-
-def naive_argmin_fwd(p, damping, **o):
-    p.ctx["argmin_damping"] = damping
-    p.ctx["argmin_z"] = p.z.detach().clone()
-    yl = leaf_copies(p.y)
-    p.ctx["yl"] = tree_leaves(yl)
-    # the naive implicit gradient is computed where the forward is, for any W. implicit_argmin's backward runs
-    # from G's state at the call and leaves G as it found it (docs/api.md): so does its twin.
-    before = _operator_state(p)
-    with torch.enable_grad():
-        y_work = leaf_copies(p.y)
-        leaves, _ = tree_flatten(y_work)
-        H, gz, _ = _naive_damped_hessian(p, y_work, damping)
-        p.ctx["argmin_naive"] = (H, gz, leaves)
-    _restore_operator_state(p, before)
-    return p.ctx["argmin_z"]
-
-
-def naive_argmin_bwd(p, W, **o):
-    H, gz, leaves = p.ctx["argmin_naive"]
-    with torch.enable_grad():
-        s = torch.linalg.solve(H, W.reshape(-1)).reshape(gz.shape)
-        return [g.detach() for g in _grads([gz], leaves, [-s], retain_graph=True)]
-
-
-def mixedad_argmin_fwd(p, damping, **o):
-    yl = leaf_copies(p.y)
-    p.ctx["yl"] = tree_leaves(yl)
-    out = mixedad.implicit_argmin(p.f, p.G, p.z, yl, damping=damping, tol=1e-13, maxiter=200)
-    p.ctx["argmin_out"] = out
-    return out.detach()
-
-
-def mixedad_argmin_bwd(p, W, **o):
-    with torch.enable_grad():
-        return [g.detach() for g in _grads([(W * p.ctx["argmin_out"]).sum()], p.ctx["yl"])]
-
-
-def _cached_params(p):
-    return list(p.G.parameters())
-
-
-def naive_cached(p, chunk_size=1, **o):
-    for q in _cached_params(p):
-        q.grad = None
-    with torch.enable_grad():
-        L = p.g_of(torch.stack([p.G(x) for x in p.inputs]))
-        L.backward()
-    out = [L.detach()] + [q.grad.clone() for q in _cached_params(p)]
-    for q in _cached_params(p):
-        q.grad = None
-    return out
-
-
-def mixedad_cached(p, chunk_size=1, **o):
-    for q in _cached_params(p):
-        q.grad = None
-    L = mixedad.cached_backward(p.G, p.inputs, p.g_of, chunk_size=chunk_size)
-    out = [L] + [q.grad.clone() for q in _cached_params(p)]
-    for q in _cached_params(p):
-        q.grad = None
-    return out
-
-
-def mixedad_report(p, **o):
-    p.ctx["report"] = mixedad.tangent_report(p.G, p.z)
-    return None
-
-
-CALLS = {
-    "mg": (naive_mg, mixedad_mg),
-    "vmap": (naive_vmap, mixedad_vmap),
-    "mj": (naive_mj, mixedad_mj),
-    "ig_fwd": (naive_ig_fwd, mixedad_ig_fwd),
-    "ig_bwd": (ig_bwd, ig_bwd),
-    "curv": (naive_curv, mixedad_curv),
-    "matvec": (naive_matvec, lambda p, u, **o: p.ctx["op"] @ u),
-    "matmat": (naive_matmat, lambda p, U, **o: p.ctx["op"].matmat(U)),
-    "dense": (naive_dense, lambda p, **o: p.ctx["op"].dense()),
-    "implicit": (lambda p, w, damping, **o: naive_implicit_grad(p, w, damping), mixedad_implicit),
-    "argmin_fwd": (naive_argmin_fwd, mixedad_argmin_fwd),
-    "argmin_bwd": (naive_argmin_bwd, mixedad_argmin_bwd),
-    "cached": (naive_cached, mixedad_cached),
-    "report": (lambda p, **o: None, mixedad_report),
-}
-_IG_STEPS = ("ig_fwd",)
-
-
-# ----------------------------------------------------------------------------------------------
-# The harness: two copies, the same random states, compare results and what is left behind
-# ----------------------------------------------------------------------------------------------
-
-def seed_all(seed):
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-
-
-def global_random():
-    return {"torch CPU RNG": torch.get_rng_state(), "Python random": random.getstate(),
-            "NumPy global RNG": np.random.get_state()}
-
-
-def set_global_random(state):
-    torch.set_rng_state(state["torch CPU RNG"])
-    random.setstate(state["Python random"])
-    np.random.set_state(state["NumPy global RNG"])
-
-
-def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and np.array_equal(a, b)
-    if isinstance(a, (tuple, list)):
-        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def _modules(p):
-    mods = list(p.modules)
-    if isinstance(p.G, nn.Module):
-        mods.append(p.G)
-    out, seen = [], set()
-    for m in mods:
-        for sub in m.modules():
-            if id(sub) not in seen:
-                seen.add(id(sub))
-                out.append(sub)
-    return out
-
-
-def effects(p):
-    """What the sequence leaves behind that the naive copy must match."""
-    mods = _modules(p)
-    state = dict(global_random())
-    state["generators"] = [g.get_state() for g in p.gens]
-    state["buffers"] = [(n, b.detach().clone()) for m in mods for n, b in m.named_buffers(recurse=False)]
-    state["parameters"] = [(n, q.detach().clone()) for m in mods for n, q in m.named_parameters(recurse=False)]
-    state["training flags"] = [m.training for m in mods]
-    state["z"] = [t.detach().clone() for t in _zs(p.z)]
-    return state
-
-
-def _close_tensors(a, b, tol=1e-12):
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if torch.equal(a, b):
-        return True
-    if not a.is_floating_point():
-        return False
-    scale = max(b.abs().max().item(), 1e-300)
-    return (a - b).abs().max().item() <= tol * scale
-
-
-def compare_effects(expected, now):
-    leaks = []
-    for key in ("torch CPU RNG", "Python random", "NumPy global RNG"):
-        if not _same(expected[key], now[key]):
-            leaks.append(f"{key} differs from the naive code's")
-    for i, (a, b) in enumerate(zip(expected["generators"], now["generators"])):
-        if not torch.equal(a, b):
-            leaks.append(f"G's generator #{i} differs from the naive code's")
-    for key in ("buffers", "parameters"):
-        names = [n for n, _ in expected[key]]
-        if names != [n for n, _ in now[key]]:
-            leaks.append(f"{key}: other names than the naive code's")
-            continue
-        bad = [n for (n, a), (_, b) in zip(expected[key], now[key]) if not _close_tensors(b, a)]
-        if bad:
-            leaks.append(f"{key} {', '.join(sorted(set(bad)))} differ from the naive code's")
-    if expected["training flags"] != now["training flags"]:
-        leaks.append("module training flags differ from the naive code's")
-    if not all(_close_tensors(b, a, 0.0) for a, b in zip(expected["z"], now["z"])):
-        leaks.append("z differs from what the naive code leaves (G's plain forwards)")
-    return leaks
-
-
-def _context():
-    return {
-        "TorchFunctionMode stack": torch._C._len_torch_function_stack(),
-        "TorchDispatchMode stack": torch._C._len_torch_dispatch_stack(),
-        "grad mode": torch.is_grad_enabled(),
-        "inference mode": torch.is_inference_mode_enabled(),
-        "forward-AD level": forward_ad._current_level,
-        "forward grad mode": torch._C._is_fwd_grad_enabled(),
-        "functorch level": torch._C._functorch.maybe_current_level(),
-    }
-
-
-def _caller_tensors(p):
-    """The caller's tensors of the mixedad copy that nothing may write: y, v, and what the steps pass."""
-    found = [("y", t) for t in tree_leaves(p.y) if isinstance(t, torch.Tensor)]
-    found += [("v", t) for t in tree_leaves(p.v) if isinstance(t, torch.Tensor)]
-    if not (p.writes_z or getattr(p, "user_writes_z", False)):
-        found += [("z", t) for t in _zs(p.z)]
-    for step in p.steps:
-        if isinstance(step, Call):
-            for key, value in step.opts.items():
-                if key in ("G", "f"):
-                    continue
-                for t in tree_leaves(value):
-                    if isinstance(t, torch.Tensor) and not (p.writes_z and key == "z"):
-                        found.append((f"{step.kind}'s {key}", t))
-    return found
-
-
-def execute(p, naive, out):
-    """Run p's steps on this copy: naive twins or mixedad's calls. Results go to ``out`` as they come."""
-    try:
-        for step in p.steps:
-            if isinstance(step, Do):
-                step.fn(p)
-            elif isinstance(step, Check):
-                if not naive:
-                    p.problems += step.fn(p)
-            else:
-                fn = CALLS[step.kind][0 if naive else 1]
-                opts = {k: v for k, v in step.opts.items() if k != "rule_used"}
-                before = p.counter[0]
-                result = fn(p, **opts)
-                if not naive and "rule_used" in step.opts:
-                    calls = p.counter[0] - before
-                    if step.opts["rule_used"] and calls == 0:
-                        p.problems.append(f"call #{len(out) + 1} ({step.kind}): the registered rule was not called")
-                    if not step.opts["rule_used"] and calls:
-                        p.problems.append(f"call #{len(out) + 1} ({step.kind}): an unregistered rule was called "
-                                          f"{calls} times")
-                out.append(result)
-    finally:
-        for cleanup in reversed(p.cleanups):
-            cleanup()
-        p.cleanups.clear()
-
-
-def build(c):
-    seed_all(0)
-    return c.build()
-
-
-def evaluate(c):
-    """Run one case (on one thread: the sizes are tiny). Returns (verdict, detail, leaks, warnings, error text)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _evaluate(c)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _evaluate(c):
-    from mixedad import _entry
-
-    _entry._warned.clear()
-    naive, ours = build(c), build(c)
-    seed_all(1)
-    start = global_random()
-
-    expected, truth_error = [], None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            execute(naive, True, expected)
-        except Exception as error:  # noqa: BLE001  (the naive code may refuse a step too)
-            truth_error = error
-    expected_effects = effects(naive)
-
-    set_global_random(start)
-    caller = [(label, t, t.detach().clone()) for label, t in _caller_tensors(ours)]
-    attrs_before, context_before = _attributes(), _context()
-    results, error = [], None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            execute(ours, False, results)
-        except Exception as e:  # noqa: BLE001  (classified by the verdict)
-            error = e
-    leaks = []
-    context_after = _context()
-    for key, value in context_before.items():
-        if context_after[key] != value:
-            leaks.append(f"{key} {value} -> {context_after[key]}")
-    if forward_ad._current_level != -1:
-        leaks.append(f"forward_ad._current_level == {forward_ad._current_level}")
-    attrs_after = _attributes()
-    changed = sorted(k for k in attrs_before if attrs_after.get(k) != attrs_before[k])
-    if changed:
-        leaks.append(f"torch attributes patched: {', '.join(changed)}")
-    for label, t, saved in caller:
-        if not _close_tensors(t.detach(), saved, 0.0):
-            leaks.append(f"the caller's {label} was written")
-    if truth_error is None or error is not None:
-        leaks += compare_effects(expected_effects, effects(ours))
-    leaks += ours.problems
-    messages = [f"{w.category.__name__}: {w.message}".replace("\n", " ") for w in caught]
-    return _verdict(c, results, error, expected, truth_error, leaks, messages)
-
-
-def _verdict(c, results, error, expected, truth_error, leaks, messages):
-    short = [m[:160] for m in messages if "mixedad" in m or "disagrees" in m or "tangent" in m]
-    if error is not None:
-        text = str(error).strip()
-        name = "refused" if OWN_ERROR.match(text) else "crash"
-        detail = first_line(error)
-        if truth_error is not None:
-            detail += f" (the naive code raises too: {first_line(truth_error)})"
-        for i, (a, e) in enumerate(zip(results, expected)):
-            err = _error(a, e)
-            if err >= c.rtol:
-                detail += f"; and call #{i + 1} before it was off by {err:.2e}"
-        return name, detail, leaks, short, text
-    if truth_error is not None and len(expected) < len(results):
-        return "answered", f"the naive code raises ({first_line(truth_error)})", leaks, short, None
-    errors = [_error(a, e) for a, e in zip(results, expected)]
-    bad = [(i, err) for i, err in enumerate(errors) if not err < c.rtol]
-    worst = max([err for err in errors if err == err], default=0.0)
-    if bad:
-        where = ", ".join(f"#{i + 1}: {err:.2e}" for i, err in bad)
-        return "wrong", f"rel err at call {where} (of {len(results)} calls; rtol {c.rtol:.0e})", leaks, short, None
-    if any(re.search(DISAGREES, m) for m in messages) and "warns" not in c.expect:
-        return "exact", f"rel err {worst:.1e}, but a rule or jvp was rejected", leaks + [
-            "a right rule or jvp was rejected: " + next(m for m in messages if re.search(DISAGREES, m))[:200]], \
-            short, None
-    if "warns" in c.expect.split("|"):
-        if any(re.search(c.match, m, re.S) and not (c.not_match and re.search(c.not_match, m, re.S))
-               for m in messages):
-            return "warns", f"rel err {worst:.1e}", leaks, short, None
-        return "exact (no warning)", f"rel err {worst:.1e}; no warning matches {c.match!r}", leaks, short, None
-    return "exact", f"rel err {worst:.1e}", leaks, short, None
-
-
-def _error(actual, expected):
-    if actual is None and expected is None:
-        return 0.0
-    if isinstance(actual, torch.Tensor) != isinstance(expected, torch.Tensor):
-        return float("inf")
-    flat_a, spec_a = tree_flatten(actual)
-    flat_e, spec_e = tree_flatten(expected)
-    if spec_a != spec_e:
-        return float("inf")  # another structure than the naive code's
-    return rel_error(actual, expected)
-
-
-def ok(c, verdict, leaks, text):
-    if verdict not in c.expect.split("|"):
-        return False
-    if verdict == "refused" and c.match and not re.search(c.match, text or "", re.S):
-        return False
-    return not leaks
-
-
-@pytest.mark.parametrize("c", CASES, ids=[c.name for c in CASES])
-def test_state(c):
-    check(c, evaluate)
-
 
 def test_there_are_enough_cases():
     assert len(CASES) >= 110
     assert len({c.name for c in CASES}) == len(CASES)
 
 
-def print_table():
-    """``python -m tests.test_review_state``: the verdicts now, one row a case."""
-    counts, by_area = {}, {}
-    print("| area | case | expected | got | ok | relative error / detail |")
-    print("|---|---|---|---|---|---|")
-    t0 = time.perf_counter()
-    for c in CASES:
-        verdict, detail, leaks, messages, text = evaluate(c)
-        label = verdict
-        if verdict == "refused" and c.match and not re.search(c.match, text or "", re.S):
-            label = "refused (unmatched)"
-            detail += f" [{(text or '')[:300]}]"
-        if leaks:
-            label += " + leak"
-            detail += " | LEAK: " + "; ".join(leaks)
-        good = ok(c, verdict, leaks, text)
-        counts[good] = counts.get(good, 0) + 1
-        by_area.setdefault(c.area, [0, 0])[0 if good else 1] += 1
-        print(f"| {c.area} | {c.name} | {c.expect.replace('|', ' or ')} | {label} | {'ok' if good else 'FAIL'} | "
-              f"{detail.replace('|', '/')} |", flush=True)
-    print()
-    print(f"{len(CASES)} cases, {counts.get(True, 0)} ok, {counts.get(False, 0)} failing, "
-          f"{time.perf_counter() - t0:.1f} s")
-    for area, (good, bad) in by_area.items():
-        print(f"  {area}: {good + bad} cases, {bad} failing")
+@pytest.mark.parametrize("c", CASES, ids=[c.name for c in CASES])
+def test_state(c):
+    check(c, REVIEW.evaluate)
 
 
 if __name__ == "__main__":
-    print_table()
+    REVIEW.print_table()
