@@ -176,13 +176,16 @@ _THREADS = ("G starts threads while it runs, and mixedad's dispatch (grad mode, 
             "follow it into them")
 
 
-def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False):
+def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False, copies=True):
     r"""Whole-G double VJP: :math:`J v = \partial_u \langle J^\top u, v\rangle`. Keeps G's graph.
 
     The derivative in u is taken at u = 1, unless G's backward may not be linear in u
     (``at_cotangent``, or a gradient hook or a custom Function found on the way): then at
     double backward's own cotangent ``cotangent(g_leaves)``, :math:`u^* = \nabla_g f(y, g)`,
-    which reproduces exactly what double backward computes. Memory grows with G's depth.
+    which reproduces exactly what double backward computes. Memory grows with G's depth. G gets
+    copies of z that it may write (:func:`~mixedad._frontend.inputs.writable`), unless ``copies``
+    is False: after a forward pass that saw G write no input, G takes z itself (a copy G's first op
+    saves would add z's size to the graph).
     """
     if in_functorch_transform():
         G_flat, spec = _tensors_only(call, G, lambda reason: UnderTransformError(f"{call}: {reason} inside a torch.func "
@@ -196,7 +199,7 @@ def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False):
     with torch.enable_grad(), differentiable_attention(), routing(watch):
         z_work = [z.detach().requires_grad_() for z in zs]
         with watch:
-            out = frozen(G)(*writable(z_work))
+            out = frozen(G)(*(writable(z_work) if copies else z_work))
         g_leaves, spec = tree_flatten(out)
         _check_outputs(call, g_leaves, out)
         at_cotangent = at_cotangent or watch.at_cotangent
@@ -220,7 +223,7 @@ def _g_name(G):
     return type(G).__qualname__ if isinstance(G, nn.Module) else getattr(G, "__qualname__", type(G).__name__)
 
 
-def _whole_g(call, G, zs, vs, strategy, reason, recorder, cotangent, at_cotangent=False):
+def _whole_g(call, G, zs, vs, strategy, reason, recorder, cotangent, at_cotangent=False, copies=True):
     """The whole-G fallback, or an error for strategy='forward'."""
     if strategy == "forward":
         raise RuntimeError(
@@ -237,7 +240,7 @@ def _whole_g(call, G, zs, vs, strategy, reason, recorder, cotangent, at_cotangen
     warn_once(("whole-G", reason, _g_name(G)),
                f"mixedad: {reason}; pushing tangents through all of G with two reverse passes instead "
                f"(the double-VJP trick). Memory now grows with G's depth.")
-    return _reverse(call, G, zs, vs, cotangent, at_cotangent)
+    return _reverse(call, G, zs, vs, cotangent, at_cotangent, copies)
 
 
 def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=None, compile=False):
@@ -292,11 +295,14 @@ FORWARD_PASS_LOCK = threading.RLock()
 
 
 def _push_forward(call, G, zs, vs, strategy, cotangent, *, recorder=None):
-    whole_g = functools.partial(_whole_g, call, G, zs, vs, strategy, recorder=recorder, cotangent=cotangent)
+    rules, inputs = OpRules(call, recorder), PassInputs(zs, vs)
+
+    def whole_g(reason, at_cotangent=False):  # G gets copies of z only where the forward pass saw it write one
+        return _whole_g(call, G, zs, vs, strategy, reason, recorder, cotangent, at_cotangent, copies=inputs.private)
+
     snapshot = Snapshot(G, call=call)
     if backward_hooks(snapshot.modules):
         return whole_g(_HOOKED, at_cotangent=True)
-    rules, inputs = OpRules(call, recorder), PassInputs(zs, vs)
     for _ in range(MAX_RESTARTS + 1):
         try:
             with snapshot.watching():
@@ -338,7 +344,7 @@ def _push_forward(call, G, zs, vs, strategy, cotangent, *, recorder=None):
             f"cannot tell which; use strategy='auto' or 'reverse'."
         )
     snapshot.restore()
-    g_leaves, tangents, spec = _reverse(call, G, zs, vs, cotangent)
+    g_leaves, tangents, spec = _reverse(call, G, zs, vs, cotangent, copies=inputs.private)
     if any(tangents[i].ne(0).any() for i in lost):
         reason = (f"{where} lost its forward-mode tangent although it depends on z (detach() inside G, a "
                   f"compiled graph, or a custom op?)")
