@@ -225,5 +225,6 @@ def _buffers(G, modules):
 
 
 def _read_label(t, owner):
-    return (f"a tensor of shape {tuple(t.shape)} and dtype {str(t.dtype).replace('torch.', '')} that {owner} reads "
-            f"(neither a parameter nor a buffer of it: a tensor it closes over?)")
+    closes = owner if owner == "f" else f"{owner} or f"
+    return (f"a tensor of shape {tuple(t.shape)} and dtype {str(t.dtype).replace('torch.', '')} that the saved pass "
+            f"reads (neither a parameter nor a buffer of {owner}: a tensor {closes} closes over?)")
