@@ -49,7 +49,11 @@ def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves,
     with torch.enable_grad():
         y_work = _checks.y_aliases(y_leaves)
         g_in, g_work, index = graph_inputs(g_leaves)
-        out = evaluate_f(call, f, y_leaves, tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
+        try:  # y_work are leaves or views of leaves that require grad: autograd refuses a write into them
+            out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
+        except RuntimeError:
+            _refuse_writes_into_y(call, f, y_work, y_spec, g_in, g_spec)  # in mixedad's words, if that was it
+            raise
         _checks.check_scalar_output(call, out)
         out = out.reshape(())
         df_dg = (torch.autograd.grad(out, g_work, create_graph=True, allow_unused=True)
@@ -64,18 +68,35 @@ def contract_f_with_tangent(call, f, y_leaves, y_spec, g_leaves, tangent_leaves,
         return _along([d for d, _ in pairs], y_work, [t for _, t in pairs], create_graph, False)
 
 
-def evaluate_f(call, f, y_leaves, y_tree, g_tree):
+def evaluate_f(call, f, y_leaves, y_tree, g_tree, refused=None):
     """``f(y_tree, g_tree)``, refused before f writes into the caller's y in place (``y.add_(1)``).
 
     The leaves of ``y_tree`` view ``y_leaves``, the caller's: mixedad writes nothing the caller passed, and a
-    derivative in y cannot go through a write into y (double backward refuses there too).
+    derivative in y cannot go through a write into y (double backward refuses there too). ``refused``: a list the
+    refusal is appended to before it is raised.
     """
     def refuse(op):
-        raise ValueError(f"{call}: f writes y in place ({op}), where its derivative in y cannot go through, and which "
-                         f"would change the caller's y; clone it inside f first (y = y.clone()).")
+        error = ValueError(f"{call}: f writes y in place ({op}), where its derivative in y cannot go through, and "
+                           f"which would change the caller's y; clone it inside f first (y = y.clone()).")
+        if refused is not None:
+            refused.append(error)
+        raise error
 
     with watch.observing("guards", watch.WriteGuard([t for t in y_leaves if not is_wrapped(t)], refuse)):
         return f(y_tree, g_tree)
+
+
+def _refuse_writes_into_y(call, f, y_work, y_spec, g_in, g_spec):
+    """After f failed on y's leaves (which autograd does not let it write): f once more on copies, under the guard of
+    :func:`evaluate_f`, so that a write into y is refused in mixedad's words; any other failure is left to the caller."""
+    copies, refused = [t.detach().clone() for t in y_work], []
+    g_tree = tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in g_in], g_spec)
+    try:
+        with undone(), torch.no_grad():
+            evaluate_f(call, f, copies, tree_unflatten(copies, y_spec), g_tree, refused)
+    except Exception as error:  # noqa: BLE001 - only the guard's refusal is ours to raise
+        if refused and error is refused[0]:
+            raise
 
 
 def _along(df_dg, y_work, tangents, create_graph, retain_graph):
@@ -171,7 +192,11 @@ def gradient_chunk(call, f, G, z_chunks, y_leaves, y_spec):
         _checks.check_no_foreign_leaves(call, g_leaves, z_work, who="G")
         g_in, g_work, index = graph_inputs(g_leaves)
         y_work = [leaf.detach().requires_grad_() for leaf in y_leaves]
-        out = evaluate_f(call, f, y_leaves, tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
+        try:  # leaves that require grad: autograd refuses a write into them
+            out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
+        except RuntimeError:
+            _refuse_writes_into_y(call, f, y_work, y_spec, g_in, g_spec)  # in mixedad's words, if that was it
+            raise
         _checks.check_scalar_output(call, out)
         _checks.check_no_foreign_leaves(call, out, y_work + g_work)
         df_dg = (torch.autograd.grad(out.reshape(()), g_work, allow_unused=True) if out.requires_grad and g_work

@@ -15,7 +15,7 @@ import torch
 from mixedad._hooks.dual_level import unpack
 from mixedad._hooks.functorch import NotLowerable, is_wrapped
 from mixedad._hooks.tensor_kinds import shares_memory_within, storage_id
-from mixedad._frontend.writes import in_place_targets
+from mixedad._frontend.writes import in_place_targets, may_write
 from mixedad.op_rules._errors import InputsWritten
 
 __all__ = ["PassInputs", "own_memory"]
@@ -51,7 +51,7 @@ class PassInputs:
 
     def watch(self, func, args, kwargs, batch=None):
         """Before ``func(*args, **kwargs)`` runs: raise InputsWritten where it writes into the caller's z or v."""
-        if not self.private:
+        if not self.private and may_write(func, kwargs):
             targets = in_place_targets(func, args, kwargs)
             if targets:
                 from mixedad.op_rules import op_name

@@ -33,7 +33,7 @@ import torch
 
 from mixedad._frontend import watch
 
-__all__ = ["RandomState", "watching", "undone", "is_source"]
+__all__ = ["RandomState", "watching", "undone", "is_source", "source_types"]
 
 #: G (or the object a bound method G belongs to) -> the torch.Generators its ops received in a watched pass.
 _KNOWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -88,9 +88,24 @@ def _accessors(source):
     return None
 
 
+_TYPES: list = []  # the random source types, once NumPy's are known (isinstance against one tuple: snapshots ask
+# it of every attribute of every module of G, on every call)
+
+
+def source_types():
+    """The types of the random sources a snapshot holds (a tuple for ``isinstance``; SystemRandom is refused by
+    :func:`is_source`)."""
+    if not _TYPES or (len(_TYPES[0]) == 2 and _numpy_random() is not None):
+        numpy_random = _numpy_random()
+        numpy_types = ((numpy_random.Generator, numpy_random.RandomState, numpy_random.BitGenerator)
+                       if numpy_random is not None else ())
+        _TYPES[:] = [(torch.Generator, random.Random, *numpy_types)]
+    return _TYPES[0]
+
+
 def is_source(obj):
     """Whether ``obj`` is a random source a snapshot holds (:meth:`RandomState.hold`)."""
-    return _accessors(obj) is not None
+    return isinstance(obj, source_types()) and not isinstance(obj, random.SystemRandom)
 
 
 class RandomState:
@@ -98,15 +113,17 @@ class RandomState:
 
     Args:
         G: the generator whose generators seen before are captured up front; None for none.
+        host: keyword-only; also capture Python's and NumPy's global states (about 30 us). False for a G made of
+            ``torch.nn``'s own layers with no hooks, which runs no Python code of the user's that could draw them.
 
     Generators first seen later, inside :func:`watching` this state, are added at first sight.
     """
 
-    def __init__(self, G=None):
+    def __init__(self, G=None, *, host=True):
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.python = random.getstate()
-        numpy_random = _numpy_random()
+        numpy_random = _numpy_random() if host else None
+        self.python = random.getstate() if host else None
         self.numpy = numpy_random.get_state() if numpy_random is not None else None
         self.owner = None if G is None else _owner(G)
         with _KNOWN_LOCK:
@@ -135,7 +152,8 @@ class RandomState:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
-        random.setstate(self.python)
+        if self.python is not None:
+            random.setstate(self.python)
         numpy_random = _numpy_random()
         if self.numpy is not None and numpy_random is not None:
             numpy_random.set_state(self.numpy)
@@ -154,10 +172,10 @@ class RandomState:
                 found.append("torch's CUDA generator")
         elif not all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), self.cuda)):
             found.append("torch's CUDA generator")
-        if random.getstate() != self.python:
+        if self.python is not None and random.getstate() != self.python:
             found.append("Python's random")
         numpy_random = _numpy_random()
-        if numpy_random is not None and not _same(numpy_random.get_state(), self.numpy):
+        if numpy_random is not None and self.numpy is not None and not _same(numpy_random.get_state(), self.numpy):
             found.append("NumPy's global generator")
         if any(not torch.equal(g.get_state(), state) for g, state in self.generators.items()):
             found.append("a torch.Generator")
@@ -170,9 +188,10 @@ class RandomState:
         return not self.drawn()
 
 
-def watching(state):
-    """Inside the block, ``state`` records every generator G's ops receive, at first sight."""
-    return watch.observing("generators", state)
+def watching(state, *, mode=True):
+    """Inside the block, ``state`` records every generator G's ops receive, at first sight (``mode``: as for
+    :func:`mixedad._frontend.watch.observing`)."""
+    return watch.observing("generators", state, mode=mode)
 
 
 @contextlib.contextmanager

@@ -44,8 +44,9 @@ import torch
 from torch import nn
 
 from mixedad._frontend import random_state, watch
-from mixedad._frontend.random_state import RandomState, is_source
+from mixedad._frontend.random_state import RandomState, is_source, source_types
 from mixedad._frontend.reach import reached
+from mixedad._hooks.sequential import forward_hooks
 
 #: The largest buffer (in bytes) of an eval-mode module that every snapshot copies by value;
 #: larger ones are only watched, and changing one in place in a pass that must be undone raises.
@@ -65,7 +66,7 @@ class Snapshot:
 
     def __init__(self, G, *, modules=(), call="mixedad"):
         self.call = call  # the public call, for the message of a buffer that cannot be restored
-        self.rng = RandomState(G)
+        self.rng = RandomState(G, host=not _torch_layers_only(G))
         self.saved, self.watched, self._seen, self.modules = [], [], set(), []
         self.attributes = []  # (module, {name: value}) of plain attributes
         #: The tensors the passes watched with ``reads=True`` read that they did not make.
@@ -83,9 +84,11 @@ class Snapshot:
             return
         self._seen.add(id(module))
         self.modules.append(module)
-        for value in vars(module).values():  # a generator the module keeps: its state before the module draws
-            if is_source(value):
-                self.rng.hold(value)
+        if not type(module).__module__.startswith("torch.nn."):  # torch.nn's own layers keep no random source
+            kinds = source_types()
+            for value in vars(module).values():  # a generator the module keeps: its state before the module draws
+                if isinstance(value, kinds) and is_source(value):
+                    self.rng.hold(value)
         attributes = plain_attributes(module)
         self.attributes.append((module, attributes))
         tensors = [(name, value, _TensorAttribute) for name, value in attributes.items() if isinstance(value, torch.Tensor)]
@@ -121,12 +124,13 @@ class Snapshot:
                 entry.place(entry.tensor)
 
     @contextlib.contextmanager
-    def watching(self, *, reads=False):
+    def watching(self, *, reads=False, by_dispatch=False):
         """Record, before they first run, the generators G's ops receive and the modules a non-Module G calls
         inside the block; with ``reads``, also every tensor its ops read that the block did not make
-        (:attr:`reads`, for a saved pass's :class:`~mixedad._frontend.versions.Versions`)."""
+        (:attr:`reads`, for a saved pass's :class:`~mixedad._frontend.versions.Versions`). ``by_dispatch``: the
+        block is mixedad's per-op pass, whose dispatch notes the generators itself (no watch mode started)."""
         with contextlib.ExitStack() as stack:
-            stack.enter_context(random_state.watching(self.rng))
+            stack.enter_context(random_state.watching(self.rng, mode=not by_dispatch))
             if reads:
                 stack.enter_context(watch.observing("reads", self.reads))
             if not self._upfront:  # the hook is the process's: only this thread's modules are G's
@@ -219,6 +223,15 @@ _PLAIN = (bool, int, float, str, type(None), torch.Tensor)
 
 
 _ABSENT = object()
+
+
+def _torch_layers_only(G):
+    """Whether G is a module made of ``torch.nn``'s own layers with no hooks: no Python code of the user's runs in
+    it, so it draws nothing from Python's or NumPy's random state."""
+    if not isinstance(G, nn.Module):
+        return False
+    modules = list(G.modules())
+    return all(type(m).__module__.startswith("torch.nn.") for m in modules) and not forward_hooks(*modules)
 
 
 def plain_attributes(module):

@@ -46,16 +46,22 @@ def generator_observers():
 
 def note_generators(args, kwargs):
     """The generators an op receives (``generator=``, or by position: ``torch.poisson(rates, g)``): every watching
-    random state records each at first sight."""
-    observers = generator_observers()
+    random state records each at first sight. On every op of mixedad's per-op pass: no allocation."""
+    observers = getattr(_local, "generators", None)
     if not observers:
         return
-    found = [a for a in args if type(a) is torch.Generator]
-    if kwargs and isinstance(kwargs.get("generator"), torch.Generator):
-        found.append(kwargs["generator"])
-    for generator in found:
-        for state in observers:
-            state.note(generator)
+    for a in args:
+        if type(a) is _GENERATOR:
+            for state in observers:
+                state.note(a)
+    if kwargs:
+        generator = kwargs.get("generator")
+        if isinstance(generator, _GENERATOR):
+            for state in observers:
+                state.note(generator)
+
+
+_GENERATOR = torch.Generator
 
 
 class _Watch(TorchFunctionMode):
@@ -119,12 +125,16 @@ def _tensors(args, kwargs):
 
 
 @contextlib.contextmanager
-def observing(kind, observer):
-    """Inside the block, ``observer`` sees the ops of this thread (``kind``: "generators", "reads" or "guards")."""
+def observing(kind, observer, *, mode=True):
+    """Inside the block, ``observer`` sees the ops of this thread (``kind``: "generators", "reads" or "guards").
+
+    Without ``mode``, the watch mode is not started for the block: for a pass whose own dispatch notes every op
+    (mixedad's per-op pass), which would only take it off again (code below the dispatch starts one: :func:`ops`).
+    """
     observers = _observers(kind)
     observers.append(observer)
     try:
-        with ops():
+        with ops() if mode else contextlib.nullcontext():
             yield observer
     finally:
         observers.remove(observer)

@@ -16,7 +16,7 @@ import inspect
 
 import torch
 
-__all__ = ["in_place_targets"]
+__all__ = ["in_place_targets", "may_write"]
 
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "rename_", "detach_", "retain_grad", "record_stream"})
 _AUGMENTED = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
@@ -55,3 +55,14 @@ def in_place_targets(func, args, kwargs):
     elif isinstance(out, (tuple, list)):
         targets.extend(t for t in out if isinstance(t, torch.Tensor))
     return targets
+
+
+def may_write(func, kwargs):
+    """A quick test before :func:`in_place_targets`: False where ``func`` certainly writes nothing (most ops)."""
+    if kwargs and "out" in kwargs:
+        return True
+    try:
+        writes_first, inplace_at = _kind(func)
+    except TypeError:  # an unhashable callable
+        return True
+    return writes_first or inplace_at is not None

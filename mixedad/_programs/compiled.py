@@ -305,14 +305,15 @@ def push_program(call, G, zs, vs, eager_push):
     mixedad's own path, not a fallback. A program that differs from the per-op pass, or raises, is
     dropped with a warning (mixedad's own error, to report).
     """
+    if type(G) is not nn.Sequential or getattr(_SWITCHES, "per_op", None):
+        return eager_push()  # any other G: no program (see chain), and no key computed
     with watch_off():  # a program draws no random numbers (the check refuses G that does)
         return _push_program(call, G, zs, vs, eager_push)
 
 
 def _push_program(call, G, zs, vs, eager_push):
-    if type(G) is not nn.Sequential or getattr(_SWITCHES, "per_op", None) or \
-            _refusal(G, zs, vs, observers=True) is not None:
-        return eager_push()  # any other G: no program (see chain), and no key computed
+    if _refusal(G, zs, vs, observers=True) is not None:
+        return eager_push()
     unchecked = bool(getattr(_SWITCHES, "unchecked", None))
     layouts = (tuple((t.shape, t.stride(), t.dtype, t.device) for t in (*zs, *vs)),
                tuple(m.training for m in G.modules()), generation())
