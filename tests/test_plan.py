@@ -26,6 +26,17 @@ def _problem(name, batch=4):
     return G, z, y
 
 
+def _assert_planned_within_two_percent(G, z, y, *, high_only=()):
+    """Every method's plan within 2% of its exact CPU peak (for the methods in ``high_only``: never below it)."""
+    predicted = plan(f, G, z, y, device="cpu", methods=tuple(PLAN_METHODS))
+    for method, planned in predicted.peaks.items():
+        _, measured = peak_memory(PLAN_METHODS[method], f, G, (z,), y)
+        if method in high_only:
+            assert planned >= measured, (method, planned, measured)
+        else:
+            assert abs(planned - measured) <= 0.02 * measured, (method, planned, measured)
+
+
 # The issue's list: an MLP, a DCGAN, a StyleGAN-like G of custom Functions, a VQ decoder, attention.
 EXACT = ["mlp", "dcgan", "stylegan2_ada", "vq_decoder", "attention"]
 
@@ -143,13 +154,7 @@ def test_attention_plans_equal_the_cpu_peak_for_every_method(name):
     G = ATTENTION[name]().requires_grad_(False)
     z = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(0))
     y = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(1))
-    predicted = plan(f, G, z, y, device="cpu", methods=tuple(PLAN_METHODS))
-    for method, planned in predicted.peaks.items():
-        _, measured = peak_memory(PLAN_METHODS[method], f, G, (z,), y)
-        if name == "additive mask" and method == "input_grad":
-            assert planned >= measured, (method, planned, measured)
-        else:
-            assert abs(planned - measured) <= 0.02 * measured, (method, planned, measured)
+    _assert_planned_within_two_percent(G, z, y, high_only=("input_grad",) if name == "additive mask" else ())
 
 
 class _Grouped(nn.Module):
@@ -233,10 +238,7 @@ def test_plans_of_grouped_heads_and_masks_g_holds_equal_the_cpu_peak(name):
     before = None if mask is None else mask.clone()
     z = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(0))
     y = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(1))
-    predicted = plan(f, G, z, y, device="cpu", methods=tuple(PLAN_METHODS))
-    for method, planned in predicted.peaks.items():
-        _, measured = peak_memory(PLAN_METHODS[method], f, G, (z,), y)
-        assert abs(planned - measured) <= 0.02 * measured, (method, planned, measured)
+    _assert_planned_within_two_percent(G, z, y)
     if mask is not None:
         assert (G.held if hasattr(G, "held") else G.mask) is mask and mask.device.type == "cpu" and torch.equal(mask, before)
 
@@ -301,10 +303,7 @@ def test_attention_the_cpu_runs_on_its_math_backend_is_planned_so(case):
     z = torch.randn(2, 128, width, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         y = torch.randn(G(z).shape, generator=torch.Generator().manual_seed(1))
-    predicted = plan(f, G, z, y, device="cpu", methods=tuple(PLAN_METHODS))
-    for method, planned in predicted.peaks.items():
-        _, measured = peak_memory(PLAN_METHODS[method], f, G, (z,), y)
-        assert abs(planned - measured) <= 0.02 * measured, (method, planned, measured)
+    _assert_planned_within_two_percent(G, z, y)
 
 
 def test_one_method_as_a_string():
@@ -404,7 +403,4 @@ def test_layouts_and_zero_tangents_are_planned_as_the_cpu_runs_them(name):
     G.requires_grad_(False)
     with torch.no_grad():
         y = torch.randn(G(z).shape, generator=torch.Generator().manual_seed(1))
-    predicted = plan(f, G, z, y, device="cpu", methods=tuple(PLAN_METHODS))
-    for method, planned in predicted.peaks.items():
-        _, measured = peak_memory(PLAN_METHODS[method], f, G, (z,), y)
-        assert abs(planned - measured) <= 0.02 * measured, (method, planned, measured)
+    _assert_planned_within_two_percent(G, z, y)

@@ -8,7 +8,7 @@ thread's stack of ``TorchFunctionMode``\\ s (innermost last), and
 import contextlib
 
 import torch
-from torch.overrides import _pop_mode_temporarily
+from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 
 
 def innermost(mode):
@@ -25,3 +25,16 @@ def popped(mode):
             yield
     else:
         yield
+
+
+class Calls(TorchFunctionMode):
+    """Records, in order, every torch function called while it is active (to learn which function an operator
+    reaches the torch-function layer as)."""
+
+    def __init__(self):
+        super().__init__()
+        self.funcs = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.funcs.append(func)
+        return func(*args, **(kwargs or {}))

@@ -4,11 +4,12 @@ import weakref
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
-from torch.overrides import TorchFunctionMode, resolve_name
+from torch.overrides import resolve_name
 
 from mixedad._hooks.function_apply import has_setup_context
 from mixedad._hooks.library_ops import registry_keys
 from mixedad._hooks.pytree import tree_flatten
+from mixedad._hooks.torch_function_stack import Calls
 from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
 from mixedad.op_rules._probes import verdict, verdict_in_batch, warn_disagreement
 from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, arguments_of, pack
@@ -136,16 +137,6 @@ def op_name_of(func):
     return resolve_name(func) or getattr(func, "__qualname__", repr(func))
 
 
-class _Seen(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.funcs = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.funcs.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 def _check_reaches_the_dispatch(op: Callable[..., Any]) -> None:
     """Refuse a Tensor operator method (``torch.Tensor.__mul__``) that reaches mixedad's dispatch under another
     name (``a * b`` arrives as ``torch.Tensor.mul``): a rule for it would never run. Found by calling it once on
@@ -154,7 +145,7 @@ def _check_reaches_the_dispatch(op: Callable[..., Any]) -> None:
     method: Any = getattr(torch.Tensor, name, None)
     if not name.startswith("__") or method is not op:
         return
-    seen, one = _Seen(), torch.ones(2)
+    seen, one = Calls(), torch.ones(2)
     for args in ((one, one), (one,)):
         try:
             with seen:
