@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import torch
 from torch.overrides import resolve_name
 
+from mixedad._hooks.dual_level import tangent_of
 from mixedad._hooks.function_apply import has_setup_context
 from mixedad._hooks.library_ops import registry_keys
 from mixedad._hooks.pytree import tree_flatten
@@ -214,6 +215,11 @@ def _result(rule, op):
     for out, tangent in zip(outputs, tangents):
         if tangent is None or not isinstance(out, torch.Tensor):
             continue
+        if tangent_of(out) is not None or tangent_of(tangent) is not None:
+            raise OpRuleError(f"{what} returned an {'output' if tangent_of(out) is not None else 'tangent'} that "
+                              f"carries a tangent of its own: it was computed from op.args, which hold G's dual "
+                              f"tensors; compute the output with op.primal() and the tangent from op.primals and "
+                              f"op.tangents.")
         shape = (op.batch.size, *out.shape) if op.lowered else tuple(out.shape)
         if not isinstance(tangent, torch.Tensor) or tuple(tangent.shape) != shape or tangent.dtype != out.dtype:
             got = (f"a {type(tangent).__name__}" if not isinstance(tangent, torch.Tensor) else

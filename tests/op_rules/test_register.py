@@ -327,6 +327,23 @@ def test_a_rule_that_returns_what_is_not_its_outputs_tangent_is_a_mixedad_error(
         mixedad.mixed_grad(f, lambda z: torch.sinh(z @ W1) @ W2, z, y, v)
 
 
+@pytest.mark.parametrize("dual", ["output", "tangent"])
+def test_a_rule_computed_from_the_dual_arguments_is_a_mixedad_error(registered, dual):
+    """op.args hold G's dual tensors: an output or tangent computed from them carries a tangent of its own, which
+    torch refused with "Making a dual Tensor based on a Tensor that already has a forward gradient"."""
+    W1, W2, z, y, v = problem(13)
+
+    @registered(torch.sinh, arguments=("input",))
+    def sinh_from_args(op):
+        x = op.args[0] if dual == "output" else op.primals["input"]
+        tangent = torch.cosh(op.args[0] if dual == "tangent" else x) * op.tangents["input"]
+        return torch.sinh(x), tangent
+
+    with pytest.raises(OpRuleError, match=rf"sinh_from_args registered for torch.sinh returned an {dual} that "
+                                          r"carries a tangent of its own: it was computed from op.args"):
+        mixedad.mixed_grad(f, lambda z: torch.sinh(z @ W1) @ W2, z, y, v)
+
+
 def test_a_rule_that_raises_is_a_mixedad_error_that_names_it(registered):
     W1, W2, z, y, v = problem(12)
 
