@@ -11,6 +11,8 @@ Given :math:`g = G(z)` and the tangent :math:`\dot g = J_G(z)\, v` from the fron
 Only f's graph is built, never G's. Memory: f's graph and its gradient's graph, about a small
 multiple of G's output.
 """
+import contextlib
+
 import torch
 from torch.func import grad, jvp
 
@@ -82,6 +84,7 @@ def evaluate_f(call, f, y_leaves, y_tree, g_tree, refused=None):
             refused.append(error)
         raise error
 
+    watch.handed(y_tree, g_tree)
     with watch.observing("guards", watch.WriteGuard([t for t in y_leaves if not is_wrapped(t)], refuse)):
         return f(y_tree, g_tree)
 
@@ -176,8 +179,11 @@ def f_cotangent(call, f, y_leaves, y_spec, *, create_graph=False):
 # input_grad's reverse pass: the gradient in z of one chunk, and the check that f sums over codes.
 
 
-def gradient_chunk(call, f, G, z_chunks, y_leaves, y_spec):
-    """∂f(y, G(*z_chunks))/∂z_chunks by one reverse pass through G, with y treated as constant."""
+def gradient_chunk(call, f, G, z_chunks, y_leaves, y_spec, *, watch_G=True):
+    """∂f(y, G(*z_chunks))/∂z_chunks by one reverse pass through G, with y treated as constant.
+
+    G and f run under the watch of :mod:`mixedad._frontend.watch` where observers are registered (G only with
+    ``watch_G``: a G of torch.nn's own layers draws from no generator and reads nothing the caller must see)."""
     # The user's kernels (fused attention has a first-order backward), with attention dropout on
     # the math backend, which the backward's replay uses, and so masks whose rows see only keys
     # masked by large finite numbers (the fused backward is inexact there); reentrant checkpoints
@@ -186,14 +192,17 @@ def gradient_chunk(call, f, G, z_chunks, y_leaves, y_spec):
         z_work = [zc.detach().requires_grad_() for zc in z_chunks]
         with as_in_a_plain_call():  # and grad mode back on after G, even if G leaves it off
             try:
-                g_leaves, g_spec = tree_flatten(frozen(G)(*writable(z_work)))
+                with watch.ops() if watch_G else contextlib.nullcontext():
+                    g_leaves, g_spec = tree_flatten(frozen(G)(*writable(z_work)))
             except RuntimeError as error:  # G refuses autograd (out= on a tensor that requires grad, ...)
                 raise _refused_by_autograd(call, "G's forward", error) from error
         _checks.check_no_foreign_leaves(call, g_leaves, z_work, who="G")
         g_in, g_work, index = graph_inputs(g_leaves)
         y_work = [leaf.detach().requires_grad_() for leaf in y_leaves]
         try:  # leaves that require grad: autograd refuses a write into them
-            out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
+            watch.handed(y_work, g_in)
+            with watch.ops():
+                out = f(tree_unflatten(y_work, y_spec), tree_unflatten(g_in, g_spec))
         except RuntimeError:
             _refuse_writes_into_y(call, f, y_work, y_spec, g_in, g_spec)  # in mixedad's words, if that was it
             raise

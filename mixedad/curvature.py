@@ -21,6 +21,7 @@ from mixedad._curvature.cg import CurvatureError, conjugate_gradient
 from mixedad._curvature.segments import Chain, f_derivatives, push, split
 from mixedad._entry import eager, frozen, public_call
 from mixedad._backend import evaluate_f
+from mixedad._frontend import watch
 from mixedad._frontend.inputs import writable
 from mixedad._frontend.state import Snapshot
 from mixedad._frontend.versions import Versions, input_labels
@@ -80,9 +81,10 @@ class ZCurvature:
         self.last_solve: Optional[SolveInfo] = None
         self.size = sum(t.numel() for t in self._zs)
         self._versions: Optional[Versions] = None  # set once constructed; checked before every use
+        self._replayed = False  # whether a product ran, watching every op for the random sources G draws from
         self._snapshot = Snapshot(self._G, call=call)
         try:
-            with self._snapshot.watching(reads=True):
+            with self._snapshot.watching(reads=True, mode=False):  # watched where G and f run
                 sliced = isinstance(segments, (str, int)) and isinstance(self._G, torch.nn.Sequential)
                 self._chain = Chain(call, split(call, self._G, segments), self._zs, whole=self._G if sliced else None)
                 if not isinstance(segments, str) and not isinstance(segments, int):
@@ -104,7 +106,8 @@ class ZCurvature:
     def _check_composition(self):
         with torch.no_grad():
             self._snapshot.restore()
-            leaves = tree_flatten(self._G(*self._zs))[0]
+            with watch.ops():
+                leaves = tree_flatten(self._G(*self._zs))[0]
         ours = self._chain.output
         assert ours is not None  # checked before the output is dropped
         if len(leaves) != len(ours) or any(
@@ -150,15 +153,12 @@ class ZCurvature:
         boundaries with new state.
         """
         assert self._versions is not None  # constructed
-        self._versions.check()
-        undo = Snapshot(self._G, modules=self._snapshot.modules, call=self._call)
-        try:
-            with undo.watching(), self._snapshot.watching():
-                self._snapshot.restore()
-                yield
-        finally:
-            undo.restore()
-            self._versions.refresh()
+        every_op = not self._replayed  # later products replay the same state, so draw from the sources it saw
+        with self._versions.replaying(self._snapshot, every_op=every_op), \
+                self._snapshot.watching(mode=every_op):
+            self._snapshot.restore()
+            yield
+        self._replayed = True
 
     def _products(self, us):
         """:math:`(H + \\lambda I) u_j` for k tangents (each leaf with a leading k)."""

@@ -175,21 +175,17 @@ class _ImplicitArgmin(torch.autograd.Function):
             raise RuntimeError(f"{s['call']}: its gradient can be differentiated once; create_graph=True through it "
                                f"would silently drop the second-order terms. Differentiate without create_graph, or "
                                f"unroll the inner optimisation for higher orders.")
-        s["versions"].check()  # before autograd's own check of y, with the parameter's or input's name
-        y_leaves = list(ctx.saved_tensors)
-        ws = [torch.zeros_like(z) if wi is None else wi for wi, z in zip(w, s["zs"])]
-        y = tree_unflatten(y_leaves, s["y_spec"])
         state = s["state"]
-        undo = Snapshot(s["G"], modules=state.modules, call=s["call"])  # G as the caller has it now, put back after
-        try:
-            with undo.watching():
-                state.restore()  # the random state, buffers and modes of the call
-                grads, _ = _implicit(s["call"], s["f"], s["G"], s["z_star"], y, tuple(ws) if s["tuple"] else ws[0],
-                                     s["kind"], s["damping"], s["tol"], s["maxiter"], s["solve"], s["segments"],
-                                     s["keep_graph"])
-        finally:
-            undo.restore()
-            s["versions"].refresh()
+        # Checked before autograd's own check of y, with the parameter's or input's name; G as the caller has it now
+        # after.
+        with s["versions"].replaying(state):
+            y_leaves = list(ctx.saved_tensors)
+            ws = [torch.zeros_like(z) if wi is None else wi for wi, z in zip(w, s["zs"])]
+            y = tree_unflatten(y_leaves, s["y_spec"])
+            state.restore()  # the random state, buffers and modes of the call
+            grads, _ = _implicit(s["call"], s["f"], s["G"], s["z_star"], y, tuple(ws) if s["tuple"] else ws[0],
+                                 s["kind"], s["damping"], s["tol"], s["maxiter"], s["solve"], s["segments"],
+                                 s["keep_graph"])
         return (None, *tree_flatten(grads)[0])
 
 

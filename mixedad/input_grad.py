@@ -127,8 +127,9 @@ class _InputGrad(torch.autograd.Function):
         for c in meta.chunks:
             state = Snapshot(meta.G, modules=meta.states[0].modules if meta.states else (), call=CALL)
             meta.states.append(state)
-            with state.watching(reads=True):
-                pieces, evaluated = gradient_chunk(CALL, meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec)
+            with state.watching(reads=True, mode=False):  # watched where G and f run
+                pieces, evaluated = gradient_chunk(CALL, meta.f, meta.G, [zi[c] for zi in zs], y_leaves, meta.y_spec,
+                                                   watch_G=not state.torch_only)
             if outs is None:
                 _record(meta, tensors)
                 return tuple(pieces)
@@ -152,28 +153,23 @@ class _InputGrad(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grad_outs):
         meta = ctx.meta
-        meta.versions.check()  # before autograd's own check of z and y, with the parameter's or input's name
-        tensors = ctx.saved_tensors
-        zs, y_leaves = tensors[: meta.n_z], tensors[meta.n_z :]
-        cotangents = [torch.zeros_like(zi) if g is None else g for g, zi in zip(grad_outs, zs)]
-        totals: Optional[list] = None
-        # The replays below must leave no trace: RNG and buffers end as the forward left them.
-        undo = Snapshot(meta.G, modules=meta.states[0].modules, call=CALL)
-        try:
-            with undo.watching():
-                for c, state in zip(meta.chunks, meta.states):
-                    state.restore()  # the RNG and buffers this chunk's forward pass saw
-                    g_leaves, tangents, g_spec = push_tangent(
-                        CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in cotangents], strategy=meta.strategy,
-                        cotangent=f_cotangent(CALL, meta.f, y_leaves, meta.y_spec), compile=meta.compile,
-                    )
-                    grads = contract_f_with_tangent(
-                        CALL, meta.f, y_leaves, meta.y_spec, g_leaves, tangents, g_spec, create_graph=False
-                    )
-                    totals = grads if totals is None else [t + g for t, g in zip(totals, grads)]
-        finally:
-            undo.restore()
-            meta.versions.refresh()
+        # Checked before autograd's own check of z and y, with the parameter's or input's name. The replays leave
+        # no trace: RNG and buffers end as the forward left them.
+        with meta.versions.replaying(meta.states[0]):
+            tensors = ctx.saved_tensors
+            zs, y_leaves = tensors[: meta.n_z], tensors[meta.n_z :]
+            cotangents = [torch.zeros_like(zi) if g is None else g for g, zi in zip(grad_outs, zs)]
+            totals: Optional[list] = None
+            for c, state in zip(meta.chunks, meta.states):
+                state.restore()  # the RNG and buffers this chunk's forward pass saw
+                g_leaves, tangents, g_spec = push_tangent(
+                    CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in cotangents], strategy=meta.strategy,
+                    cotangent=f_cotangent(CALL, meta.f, y_leaves, meta.y_spec), compile=meta.compile,
+                )
+                grads = contract_f_with_tangent(
+                    CALL, meta.f, y_leaves, meta.y_spec, g_leaves, tangents, g_spec, create_graph=False
+                )
+                totals = grads if totals is None else [t + g for t, g in zip(totals, grads)]
         assert totals is not None  # there is at least one chunk
         needs = ctx.needs_input_grad[1 + meta.n_z :]
         return (None,) + (None,) * meta.n_z + tuple(t if n else None for t, n in zip(totals, needs))

@@ -1,6 +1,6 @@
 """Mixed second derivatives through a frozen G: mixed_grad."""
 import functools
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch.func import vmap
 

@@ -1,5 +1,5 @@
 """Helpers for verifying mixedad's results against a reference, in tests, notebooks and the demo."""
-from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Union
+from typing import Any, Callable, Dict, List, Optional, TextIO
 import torch
 
 from mixedad._hooks.pytree import tree_flatten

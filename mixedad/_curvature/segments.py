@@ -204,7 +204,7 @@ class Chain:
             for i, segment in enumerate(self.segments):
                 snapshot = Snapshot(segment, call=call)  # a callable's modules are recorded as they first run
                 self.snapshots.append(snapshot)
-                with snapshot.watching():
+                with snapshot.watching(mode=not snapshot.torch_only):
                     out = segment(*writable(states[-1]))  # a segment may write its input: not z, nor a boundary kept
                 leaves, self.spec = tree_flatten(out)
                 if i + 1 < len(self.segments) and not all(differentiable(leaf) for leaf in leaves):

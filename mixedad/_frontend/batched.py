@@ -79,7 +79,7 @@ def _push_batch(call, G, zs, vs, *, recorder=None):
     rules, inputs = OpRules(call, recorder, batch=TangentBatch()), PassInputs(zs, vs)
     for _ in range(MAX_RESTARTS + 1):
         try:
-            with snapshot.watching(by_dispatch=True):
+            with snapshot.watching(mode=False):
                 pushed = _forward(call, G, inputs, rules)
             if recorder is not None:
                 recorder.inputs_written = inputs.private

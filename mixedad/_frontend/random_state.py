@@ -131,6 +131,16 @@ class RandomState:
         self.generators = {g: g.get_state() for g in known}
         self.held = {}  # id -> (source, state): the sources G holds other than torch generators
 
+    def again(self):
+        """The states of the same sources (and of generators G was seen to use since), taken now: for putting them
+        back as they are now after passes that replay this state."""
+        state = RandomState(self.owner, host=self.python is not None)
+        for generator in self.generators:
+            state.note(generator)
+        for source, _ in self.held.values():
+            state.hold(source)
+        return state
+
     def note(self, generator):
         """Record ``generator``'s state now, if this state does not hold it yet (its first sight); every later
         state for the same G captures it up front."""

@@ -38,7 +38,9 @@ they first run inside :meth:`Snapshot.watching`, through a global forward pre-ho
 only for that block.
 """
 import contextlib
+import operator
 import threading
+from itertools import repeat
 
 import torch
 from torch import nn
@@ -46,7 +48,9 @@ from torch import nn
 from mixedad._frontend import random_state, watch
 from mixedad._frontend.random_state import RandomState, is_source, source_types
 from mixedad._frontend.reach import reached
+from mixedad._hooks.module_hooks import MODULE_INTERNALS
 from mixedad._hooks.sequential import forward_hooks
+from mixedad._hooks.torch_function_stack import unseen
 
 #: The largest buffer (in bytes) of an eval-mode module that every snapshot copies by value;
 #: larger ones are only watched, and changing one in place in a pass that must be undone raises.
@@ -65,34 +69,50 @@ class Snapshot:
     """
 
     def __init__(self, G, *, modules=(), call="mixedad"):
-        self.call = call  # the public call, for the message of a buffer that cannot be restored
-        self.rng = RandomState(G, host=not _torch_layers_only(G))
+        with unseen():  # bookkeeping, never G's ops to a pass's modes
+            self._capture(G, modules, call)
+
+    def _capture(self, G, modules, call):
+        self.call, self._G = call, G  # the public call, for the message of a buffer that cannot be restored
+        self._upfront = isinstance(G, nn.Module)
+        modules = list(G.modules()) if self._upfront else modules
+        #: Whether G is a module of torch.nn's own layers with no hooks: it draws from no generator it is given and
+        #: no host random state, and reads no tensor but its parameters, its buffers and its inputs.
+        self.torch_only = self._upfront and _torch_layers_only(modules)
+        self.rng = RandomState(G, host=not self.torch_only)
         self.saved, self.watched, self._seen, self.modules = [], [], set(), []
-        self.attributes = []  # (module, {name: value}) of plain attributes
+        self.attributes = []  # each module's plain attributes (_Attributes)
+        self._untouched = None  # the quick test of what is recorded, built on first use after a module is recorded
         #: The tensors the passes watched with ``reads=True`` read that they did not make.
         self.reads = watch.Reads()
-        self._upfront = isinstance(G, nn.Module)
         if not self._upfront:  # the random sources a function G closes over (a module's are its attributes)
             for source in reached(G):
                 if is_source(source):
                     self.rng.hold(source)
-        for module in (G.modules() if self._upfront else modules):
+        for module in modules:
             self._record(module)
 
     def _record(self, module, *_):
         if id(module) in self._seen:
             return
+        with unseen():
+            self._record_new(module)
+
+    def _record_new(self, module):
+        self._untouched = None
         self._seen.add(id(module))
         self.modules.append(module)
-        if not type(module).__module__.startswith("torch.nn."):  # torch.nn's own layers keep no random source
-            kinds = source_types()
-            for value in vars(module).values():  # a generator the module keeps: its state before the module draws
-                if isinstance(value, kinds) and is_source(value):
-                    self.rng.hold(value)
-        attributes = plain_attributes(module)
-        self.attributes.append((module, attributes))
-        tensors = [(name, value, _TensorAttribute) for name, value in attributes.items() if isinstance(value, torch.Tensor)]
-        for name, buf, kind in [*((n, b, _Buffer) for n, b in module.named_buffers(recurse=False)), *tensors]:
+        torch_layer = type(module).__module__.startswith("torch.nn.")
+        if not torch_layer:  # torch.nn's own layers keep no random source
+            kinds, d = source_types(), vars(module)
+            for name in d.keys() - MODULE_INTERNALS:  # a generator the module keeps: its state before it draws
+                if isinstance(d[name], kinds) and is_source(d[name]):
+                    self.rng.hold(d[name])
+        attributes = _Attributes(module)
+        self.attributes.append(attributes)
+        tensors = [(name, value, _TensorAttribute) for name, value in attributes.values.items()
+                   if isinstance(value, torch.Tensor)] if attributes.tensors else ()
+        for name, buf, kind in [*((n, b, _Buffer) for n, b in module._buffers.items()), *tensors]:
             if buf is None:
                 continue
             entry = kind(module, name, buf)
@@ -124,15 +144,16 @@ class Snapshot:
                 entry.place(entry.tensor)
 
     @contextlib.contextmanager
-    def watching(self, *, reads=False, by_dispatch=False):
+    def watching(self, *, reads=False, mode=True):
         """Record, before they first run, the generators G's ops receive and the modules a non-Module G calls
         inside the block; with ``reads``, also every tensor its ops read that the block did not make
-        (:attr:`reads`, for a saved pass's :class:`~mixedad._frontend.versions.Versions`). ``by_dispatch``: the
-        block is mixedad's per-op pass, whose dispatch notes the generators itself (no watch mode started)."""
+        (:attr:`reads`, for a saved pass's :class:`~mixedad._frontend.versions.Versions`). Without ``mode``, the
+        block starts the watch itself where G or f runs (:func:`mixedad._frontend.watch.ops`), or runs them through
+        mixedad's per-op pass, whose dispatch notes the generators: mixedad's own bookkeeping is not watched."""
         with contextlib.ExitStack() as stack:
-            stack.enter_context(random_state.watching(self.rng, mode=not by_dispatch))
+            stack.enter_context(random_state.watching(self.rng, mode=mode))
             if reads:
-                stack.enter_context(watch.observing("reads", self.reads))
+                stack.enter_context(watch.observing("reads", self.reads, mode=mode))
             if not self._upfront:  # the hook is the process's: only this thread's modules are G's
                 thread = threading.get_ident()
                 record = lambda module, *_: self._record(module) if threading.get_ident() == thread else None  # noqa: E731
@@ -146,15 +167,36 @@ class Snapshot:
             RuntimeError: a watched eval-mode buffer (larger than :data:`SMALL_BUFFER_BYTES`)
                 was changed in place; everything else is restored first.
         """
-        self.rng.restore()
-        for module, attributes in self.attributes:
-            now = plain_attributes(module)
-            for name in now.keys() - attributes.keys():
-                del module.__dict__[name]  # made by a pass that is undone (a cache, a step count)
-            # Against the module's own dict: an attribute set to something no snapshot records (a trace's proxy)
-            # is put back too.
-            module.__dict__.update((name, value) for name, value in attributes.items()
-                                   if module.__dict__.get(name, _ABSENT) is not value)
+        with unseen():
+            self.rng.restore()
+            self._restore_modules()
+
+    def current(self):
+        """Whether G's modules hold now what this snapshot recorded (or last restored): every plain attribute, and
+        every buffer by object and version, checked without writing. Never where a buffer is copied back
+        unconditionally (of a module in train mode: BatchNorm writes its statistics without a version bump)."""
+        untouched = self._quick()
+        return not untouched.always and untouched.holds()
+
+    def _quick(self):
+        if self._untouched is None:
+            self._untouched = _Untouched(self)
+        return self._untouched
+
+    def undoing(self):
+        """What puts G back as the caller has it now after passes that replay this snapshot (``.watching()`` the
+        passes, ``.restore()`` after): where G's modules hold now what this snapshot recorded (:meth:`current`),
+        this snapshot's modules and the random state taken now; else a snapshot of its own."""
+        if self._upfront and self.current():
+            return _Undo(self)
+        return Snapshot(self._G, modules=self.modules, call=self.call)
+
+    def _restore_modules(self):
+        untouched = self._quick()
+        if not untouched.always and untouched.holds():
+            return  # nothing to write
+        for attributes in self.attributes:
+            attributes.restore()
         with torch.no_grad():
             for entry in self.saved:
                 entry.put_back()
@@ -176,6 +218,92 @@ class Snapshot:
                 )
 
 
+class _Untouched:
+    """A quick test, over all a snapshot's modules at once (in C), that nothing it recorded changed since it recorded
+    or last restored: each module's dict holds as many names as it held and its plain attributes the very objects
+    they were, and every buffer is the same tensor at the same version (:meth:`holds`): the common case of a restore,
+    which then writes nothing. ``always`` says whether the snapshot copies buffers back whatever their version
+    (train mode).
+    """
+
+    def __init__(self, snapshot):
+        attributes = snapshot.attributes
+        self.dicts, self.sizes = [vars(a.module) for a in attributes], [len(a.recorded) for a in attributes]
+        self.owners = [vars(a.module) for a in attributes for _ in a.values]
+        self.names = [name for a in attributes for name in a.values]
+        self.values = [value for a in attributes for value in a.values.values()]
+        self.entries = [*snapshot.saved, *snapshot.watched]
+        self.places = [entry.namespace() for entry in self.entries]
+        self.buffers = [entry.name for entry in self.entries]
+        self.tensors = [entry.tensor for entry in self.entries]
+        self.always = any(entry.always for entry in snapshot.saved)
+
+    def holds(self):
+        try:
+            return (list(map(len, self.dicts)) == self.sizes
+                    and all(map(operator.is_, map(dict.get, self.owners, self.names, repeat(_ABSENT)), self.values))
+                    and all(map(operator.is_, map(dict.get, self.places, self.buffers), self.tensors))
+                    and list(map(_VERSION, self.tensors)) == [entry.version for entry in self.entries])
+        except RuntimeError:  # an inference tensor has no version: the test one at a time tells
+            return False
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+class _Attributes:
+    """A module's dict when recorded (a shallow copy: its objects by reference), of which a snapshot restores the
+    plain attributes (:attr:`values`)."""
+
+    __slots__ = ("module", "recorded", "tensors", "_values")
+
+    def __init__(self, module):
+        self.module, self.recorded, self._values = module, dict(vars(module)), None
+        #: Whether a tensor is among its attributes (then perhaps a plain one, which the snapshot copies or watches).
+        self.tensors = any(map(isinstance, self.recorded.values(), repeat(torch.Tensor)))
+
+    @property
+    def values(self):
+        """The plain attributes recorded (:func:`plain_attributes`), found on first use."""
+        if self._values is None:
+            self._values = _plain(self.recorded)
+        return self._values
+
+    def unchanged(self):
+        """Whether the module's dict holds the names and the very objects it held (in C: the common case)."""
+        d = self.module.__dict__
+        return (len(d) == len(self.recorded)
+                and all(map(operator.is_, map(d.get, self.recorded, repeat(_ABSENT)), self.recorded.values())))
+
+    def restore(self):
+        """Put back every recorded plain attribute that was reassigned, and remove the plain ones made since."""
+        if self.unchanged():
+            return
+        d, values = self.module.__dict__, self.values
+        for name in plain_attributes(self.module).keys() - values.keys():
+            del d[name]  # made by a pass that is undone (a cache, a step count)
+        # Against the module's own dict: an attribute set to something no snapshot records (a trace's proxy) is
+        # put back too.
+        d.update((name, value) for name, value in values.items() if d.get(name, _ABSENT) is not value)
+
+
+class _Undo:
+    """Puts G back as the caller has it now, where its modules hold what ``snapshot`` recorded: that snapshot's
+    modules, and the random state as it is now (:meth:`Snapshot.undoing`)."""
+
+    def __init__(self, snapshot):
+        self.snapshot, self.rng = snapshot, snapshot.rng.again()
+
+    def watching(self, *, mode=True):
+        """Inside the block, generators first seen are recorded before they draw (as :meth:`Snapshot.watching`)."""
+        return random_state.watching(self.rng, mode=mode)
+
+    def restore(self):
+        with unseen():
+            self.snapshot._restore_modules()
+            self.rng.restore()
+
+
 class _Buffer:
     """One buffer, by module and attribute name: the tensor object there when recorded.
 
@@ -183,19 +311,29 @@ class _Buffer:
     restoring writes them back unconditionally (train mode) or only after an in-place change.
     """
 
+    __slots__ = ("module", "name", "tensor", "copy", "always", "version", "nbytes")
+
     def __init__(self, module, name, tensor):
         self.module, self.name, self.tensor, self.copy, self.always = module, name, tensor, None, False
         self.version = _version(tensor)
-        self.nbytes = tensor.numel() * tensor.element_size()
-        self.label = f"{type(module).__name__}.{name}"
+        self.nbytes = tensor.nbytes
+
+    @property
+    def label(self):
+        """How messages name it."""
+        return f"{type(self.module).__name__}.{self.name}"
+
+    def namespace(self):
+        """The dict the module holds this tensor in, under its name."""
+        return self.module._buffers
 
     def current(self):
         """The tensor the module holds under this name now."""
-        return self.module._buffers.get(self.name)
+        return self.namespace().get(self.name)
 
     def place(self, tensor):
         """Make ``tensor`` the module's buffer under this name."""
-        self.module._buffers[self.name] = tensor
+        self.namespace()[self.name] = tensor
 
     def put_back(self):
         """Make the recorded tensor object the module's buffer again, if G reassigned the attribute."""
@@ -210,11 +348,10 @@ class _Buffer:
 class _TensorAttribute(_Buffer):
     """A tensor kept as a plain module attribute (``self.ema = torch.zeros(...)``), not registered as a buffer."""
 
-    def current(self):
-        return self.module.__dict__.get(self.name)
+    __slots__ = ()
 
-    def place(self, tensor):
-        self.module.__dict__[self.name] = tensor
+    def namespace(self):
+        return self.module.__dict__
 
 
 #: Plain module attributes a forward may set (step counts, flags, cached tensors): snapshots keep
@@ -225,19 +362,23 @@ _PLAIN = (bool, int, float, str, type(None), torch.Tensor)
 _ABSENT = object()
 
 
-def _torch_layers_only(G):
-    """Whether G is a module made of ``torch.nn``'s own layers with no hooks: no Python code of the user's runs in
-    it, so it draws nothing from Python's or NumPy's random state."""
-    if not isinstance(G, nn.Module):
-        return False
-    modules = list(G.modules())
+def _torch_layers_only(modules):
+    """Whether G's ``modules`` are all ``torch.nn``'s own layers with no hooks: no Python code of the user's runs in
+    them, so they draw nothing from Python's or NumPy's random state."""
     return all(type(m).__module__.startswith("torch.nn.") for m in modules) and not forward_hooks(*modules)
 
 
 def plain_attributes(module):
-    """A module's public attributes of plain types (parameters, buffers and submodules live elsewhere)."""
-    return {name: value for name, value in vars(module).items()
-            if not name.startswith("_") and isinstance(value, _PLAIN)}
+    """A module's public attributes of plain types, its mode among them (parameters, buffers and submodules live
+    elsewhere)."""
+    return _plain(vars(module))
+
+
+def _plain(attributes):
+    found = {"training": attributes["training"]} if "training" in attributes else {}
+    found.update((name, attributes[name]) for name in attributes.keys() - MODULE_INTERNALS
+                 if not name.startswith("_") and isinstance(attributes[name], _PLAIN))
+    return found
 
 
 def _version(tensor):

@@ -305,7 +305,7 @@ def _push_forward(call, G, zs, vs, strategy, cotangent, *, recorder=None):
         return whole_g(_HOOKED, at_cotangent=True)
     for _ in range(MAX_RESTARTS + 1):
         try:
-            with snapshot.watching(by_dispatch=True):
+            with snapshot.watching(mode=False):
                 g_leaves, tangents, spec = _forward(call, G, zs, vs, rules, inputs=inputs)
             break
         except RestartPass:

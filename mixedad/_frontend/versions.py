@@ -15,7 +15,10 @@ reads again is checked here, as autograd checks the tensors a graph saves, throu
   eval-mode buffers it copied that the saved pass read** (double backward saves those, as eval
   batch norm's running statistics, and refuses a change): the same version (a replaced one is
   fine: the replay puts the recorded object back). Train-mode buffers, and copied ones the pass did
-  not read (a step counter), are replayed from their copies;
+  not read (a step counter), are replayed from their copies. A G made of torch.nn's own layers is
+  not watched as it runs (it reads nothing but its parameters, buffers and inputs): what their
+  forwards read in eval mode among the buffers a snapshot copied counts as read
+  (:func:`mixedad._hooks.batch_norm.read_in_eval`);
 - **the inputs the object keeps** (z, y's leaves, z_star): the same version;
 - **every other tensor the saved pass read** that it did not make (a tensor G closes over, seen
   by :mod:`mixedad._frontend.watch` while the pass ran): the same version.
@@ -33,12 +36,16 @@ mode since, so the caller's snapshot copied it), :meth:`Versions.refresh` takes 
 This module reads a snapshot's ``modules`` and, for each entry of its ``watched`` list, ``tensor``,
 ``module``, ``name`` and ``version``.
 """
+import contextlib
+import operator
+
 import torch
 from torch import nn
 
+from mixedad._hooks.batch_norm import read_in_eval
 from mixedad._hooks.pytree import keystr, tree_flatten_with_path
 from mixedad._hooks.tensor_kinds import storage_id
-from mixedad._programs.key import structure_of
+from mixedad._programs.structure import ClassStructure, Structure
 
 __all__ = ["StateChangedError", "Versions", "input_labels"]
 
@@ -122,7 +129,7 @@ class Versions:
     """
 
     def __init__(self, call, G, snapshots, inputs, *, owner="G", after, fix):
-        self.call, self.after, self.fix, self.snapshots = call, after, fix, snapshots
+        self.call, self.after, self.fix, self.snapshots, self.owner = call, after, fix, snapshots, owner
         modules = []
         for snapshot in snapshots:
             modules += snapshot.modules
@@ -130,37 +137,51 @@ class Versions:
         # (double backward saves those, as eval batch norm's running statistics, and refuses a change). Train-mode
         # buffers, and copied ones the pass did not read, are replayed from their copies.
         read = {id(t) for snapshot in snapshots for t in snapshot.reads.tensors}
+        # A G of torch.nn's own layers is not watched as it runs (it reads only its parameters, buffers and inputs):
+        # what its layers' eval-mode forwards read among the buffers a snapshot copied counts as read.
+        read |= {id(e.tensor) for snapshot in snapshots if snapshot.torch_only for e in snapshot.saved
+                 if read_in_eval(e.module, e.name)}
         watched = {id(entry.tensor): entry for snapshot in snapshots
                    for entry in [*snapshot.watched, *(e for e in snapshot.saved if not e.always and id(e.tensor) in read)]}
         replayed = {id(e.tensor) for snapshot in snapshots for e in snapshot.saved if e.always}
-        self.params, self.buffers, seen = [], [], set()
+        self.params, self.buffers, seen, every_buffer, every_module = [], [], set(), set(), {}
         for root in _roots(G, modules):
             of = _owner_of(G, root, owner)
             names = []
-            for name, p in root.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    names.append((name, p, _version(p), _stamp(p)))
-            self.params.append((root, of, names))
-            for name, b in root.named_buffers():
-                entry = watched.pop(id(b), None)
-                if entry is not None:
-                    self.buffers.append([f"the buffer {name} of {of}", b, _version(b)])
+            for prefix, module in root.named_modules():  # named_parameters()'s and named_buffers()' names and order
+                every_module.setdefault(id(module), module)
+                for local, p in module._parameters.items():
+                    if p is not None and id(p) not in seen:
+                        seen.add(id(p))
+                        names.append((prefix + "." + local if prefix else local, p, _version(p), _stamp(p), module, local))
+                for local, b in module._buffers.items():
+                    if b is not None and id(b) not in every_buffer:
+                        every_buffer.add(id(b))
+                        entry = watched.pop(id(b), None)
+                        if entry is not None:
+                            self.buffers.append([f"the buffer {prefix + '.' + local if prefix else local} of {of}", b,
+                                                 _version(b)])
+            self.params.append((root, of, names, _Quick(names)))
         for entry in watched.values():  # a plain tensor attribute, or a buffer outside the roots
             label = f"the tensor {entry.name} of a {type(entry.module).__name__} that {owner} calls"
             self.buffers.append([label, entry.tensor, _version(entry.tensor)])
         self.inputs = [(label, t, _version(t)) for label, t in inputs if isinstance(t, torch.Tensor)]
-        self._modules, self._held = _all_modules(G, modules), []
-        self.structure = [structure_of(m, self._held) for m in self._modules]
-        known = seen | replayed | {id(b) for b in _buffers(G, modules)} | {id(t) for _, t, _ in self.inputs}
+        self._modules, self._held = list(every_module.values()), []
+        self.structure = [Structure(m, self._held) for m in self._modules]
+        self.classes = [ClassStructure(cls, self._held) for cls in {type(m): None for m in self._modules}]
+        known = seen | replayed | every_buffer | {id(t) for _, t, _ in self.inputs}
         reads = {id(t): t for snapshot in snapshots for t in snapshot.reads.tensors if id(t) not in known}
         self.reads = [(_read_label(t, owner), t, _version(t)) for t in reads.values()]
 
     def check(self):
         """Raise :class:`StateChangedError` if anything recorded changed since."""
-        for root, of, names in self.params:
+        changed = [record for record in self.structure if not record.holds()]
+        for root, of, names, quick in self.params:
+            # Where every module holds the children it held, a parameter is found in its module, by its own name.
+            if not changed and quick.holds():
+                continue
             now = dict(root.named_parameters())
-            for name, p, version, stamp in names:
+            for name, p, version, stamp, _, _ in names:
                 if now.get(name) is not p:
                     self._raise(f"the parameter {name} of {of}", "replaced by another tensor" if name in now
                                 else "removed")
@@ -172,11 +193,31 @@ class Versions:
         for label, t, version in [*self.buffers, *self.inputs, *self.reads]:
             if _version(t) != version:
                 self._raise(label, "modified in place", version, _version(t))
-        for module, before in zip(self._modules, self.structure):
-            if structure_of(module, []) != before:
-                self._raise(f"the {type(module).__name__} {_name_of(module, self._modules[0])}",
-                            "changed (a module added, removed or replaced, a hook, or an attribute that is not a "
-                            "number, string or tensor: a configuration, a generator, a method)")
+        for record in changed:
+            module = record.module
+            self._raise(f"the {type(module).__name__} {_name_of(module, self._modules[0])}",
+                        "changed (a module added, removed or replaced, a hook, or an attribute that is not a "
+                        "number, string or tensor: a configuration, a generator, a method)")
+        for record in self.classes:
+            if not record.holds():
+                self._raise(f"the class {record.cls.__qualname__} of {self.owner}'s modules", "changed (a class "
+                            "attribute, or a global its forward names)")
+
+    @contextlib.contextmanager
+    def replaying(self, snapshot, *, every_op=True):
+        """The saved pass replayed inside the block, from ``snapshot`` (or snapshots of this record, which the
+        block restores): :meth:`check` first; after the block, G as the caller had it before (through
+        ``snapshot.undoing()``), and :meth:`refresh`. ``every_op``: watch every op for a generator G draws from
+        first; without it, only the ops mixedad's dispatch sees (a pass that replays one watched before draws from
+        the sources it saw)."""
+        self.check()
+        undo = snapshot.undoing()
+        try:
+            with undo.watching(mode=every_op):
+                yield
+        finally:
+            undo.restore()
+            self.refresh()
 
     def refresh(self):
         """Take the watched buffers' versions again after a pass and mixedad's own restore of the caller's state.
@@ -202,14 +243,38 @@ class Versions:
         )
 
 
+class _Quick:
+    """A quick test that every parameter recorded is where, at the version and with the data it was recorded (in
+    C, over all of them at once): the common case of :meth:`Versions.check` before each use."""
+
+    def __init__(self, names):
+        self.params = [p for _, p, _, _, _, _ in names]
+        self.dicts, self.locals = [m._parameters for *_, m, _ in names], [local for *_, local in names]
+        self.versions, self.stamps = [v for _, _, v, _, _, _ in names], [s for _, _, _, s, _, _ in names]
+
+    def holds(self):
+        try:
+            return (all(map(operator.is_, map(dict.get, self.dicts, self.locals), self.params))
+                    and list(map(_VERSION, self.params)) == self.versions
+                    and list(zip(map(_SHAPE, self.params), map(_DATA_PTR, self.params))) == self.stamps)
+        except (RuntimeError, TypeError):  # an inference tensor (no version), a scripted module (no dict of
+            return False  # parameters): the test one at a time tells
+
+
+_VERSION, _SHAPE, _DATA_PTR = operator.attrgetter("_version"), operator.attrgetter("shape"), operator.methodcaller("data_ptr")
+
+
 def _stamp(t):
-    """What a parameter's data is, beyond its version: ``.data = ...`` and ``module.to()`` replace it unversioned."""
-    return t.dtype, t.device, tuple(t.shape), storage_id(t)
+    """What a parameter's data is, beyond its version: ``.data = ...`` and ``module.to()`` replace it unversioned
+    (data of another dtype or device is new memory, allocated while the old was alive: another address)."""
+    return t.shape, _address(t)
 
 
-def _all_modules(G, modules):
-    """Every module the saved pass replays, once each: G's (with their children), or those a function G called."""
-    return list({id(m): m for root in _roots(G, modules) for m in root.modules()}.values())
+def _address(t):
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # a layout without one address (sparse): its storage's identity
+        return storage_id(t)
 
 
 def _name_of(module, root):
@@ -218,10 +283,6 @@ def _name_of(module, root):
         if m is module:
             return f"'{name}' of G" if name else "G"
     return "that G calls"
-
-
-def _buffers(G, modules):
-    return [b for root in _roots(G, modules) for b in root.buffers()]
 
 
 def _read_label(t, owner):

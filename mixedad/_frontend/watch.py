@@ -17,16 +17,16 @@ watched in the passes a saved object records (reverse passes and plain ones), wh
 """
 import contextlib
 import threading
-import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from mixedad._frontend.writes import in_place_targets
+from mixedad._hooks.pytree import tree_flatten
 from mixedad._hooks.tensor_kinds import storage_id
 from mixedad._hooks.torch_function_stack import innermost, popped
 
-__all__ = ["Reads", "WriteGuard", "observing", "ops", "off", "note_generators", "generator_observers"]
+__all__ = ["Reads", "WriteGuard", "handed", "observing", "ops", "off", "note_generators", "generator_observers"]
 
 _local = threading.local()
 
@@ -89,17 +89,30 @@ class Reads:
 
     def __init__(self):
         self.tensors = []
-        self._seen, self._made = set(), weakref.WeakValueDictionary()  # id -> tensor (a tensor's == is elementwise)
+        # By id (a tensor's == is elementwise). The id of a made tensor that died may come back as another tensor's,
+        # one made inside the pass too (a tensor alive when the pass started never shares an id with one made
+        # later) and not by an op: such a tensor is not listed, and it is no state of G that a replay reads again.
+        self._seen, self._made = set(), set()
 
     def before(self, args, kwargs):
         for t in _tensors(args, kwargs):
-            if id(t) not in self._seen and self._made.get(id(t)) is not t:
+            if id(t) not in self._seen and id(t) not in self._made:
                 self._seen.add(id(t))
                 self.tensors.append(t)
 
     def made(self, out):
-        for t in _tensors(out, None):
-            self._made[id(t)] = t
+        self._made.update(map(id, _tensors(out, None)))
+
+
+def handed(*trees):
+    """The tensors of ``trees`` (G's or f's arguments, as mixedad hands them over) count as made by the pass for
+    every :class:`Reads` of this thread: what a pass reads of them is its own, or an input its owner checks apart
+    (z, y), never state G or f closes over."""
+    readers = getattr(_local, "reads", None)
+    if readers:
+        made = [id(t) for t in tree_flatten(trees)[0] if isinstance(t, torch.Tensor)]
+        for reads in readers:
+            reads._made.update(made)
 
 
 class WriteGuard:

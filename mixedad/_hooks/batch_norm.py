@@ -11,12 +11,17 @@ What this relies on in torch (pinned by ``tests/_hooks/test_batch_norm.py``):
 
 On other devices ``F.batch_norm`` may take another kernel (cuDNN), so :func:`batch_norm_kernels`
 says whether these apply.
+
+Also relied on: of the buffers of ``torch.nn``'s own layers, only the batch and instance norms'
+``num_batches_tracked`` (``torch.nn.modules.batchnorm._NormBase``) goes unread by a forward in eval
+mode (:func:`read_in_eval`).
 """
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 
 from mixedad._hooks.autocast import cpu_autocast_on
 
-__all__ = ["batch_norm_kernels", "batch_norm_with_statistics", "batch_norm_tangent"]
+__all__ = ["batch_norm_kernels", "batch_norm_with_statistics", "batch_norm_tangent", "read_in_eval"]
 
 
 def batch_norm_kernels(x):
@@ -34,3 +39,8 @@ def batch_norm_tangent(x_tangent, x, weight, mean, invstd, eps):
     """The tangent of training-mode batch norm at ``x`` along ``x_tangent``, by its backward kernel."""
     return torch.ops.aten.native_batch_norm_backward(x_tangent, x, weight, None, None, mean, invstd, True, eps,
                                                      [True, False, False])[0]
+
+
+def read_in_eval(module, name):
+    """Whether a forward in eval mode of ``module``, one of ``torch.nn``'s own layers, reads its buffer ``name``."""
+    return not (isinstance(module, _NormBase) and name == "num_batches_tracked")

@@ -18,38 +18,37 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
+from mixedad._hooks.module_hooks import MODULE_INTERNALS as _MODULE_INTERNALS
 from mixedad._hooks.module_hooks import global_hook_handles, hook_handles
 from mixedad.op_rules._user import generation
 
-__all__ = ["key_of", "own_attributes", "structure_of"]
+__all__ = ["SIMPLE_TYPES", "class_key", "fingerprint", "forward_globals", "key_of", "own_attributes", "own_classes"]
 
 _SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-_SIMPLE_TYPES = frozenset(_SIMPLE)
-#: Attributes every nn.Module has, held elsewhere in the key (tensors, submodules) or refused (hooks).
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+SIMPLE_TYPES = frozenset(_SIMPLE)
 
 
-def _fingerprint(value, held, depth=3, live=False):
+def fingerprint(value, held, depth=3, live=False):
     """A value as the key sees it: simple values by value, containers and plain objects by their contents
     (``depth`` levels down), tensors, modules and functions by identity. What is keyed by identity goes
     into ``held``, which the cache entry keeps: an object it keys stays alive, so its id is never reused.
     A tensor also by its version counter, unless ``live`` (parameters and buffers, which a program reads
     when it runs): traced code computes with other tensors when it is written, and keeps the result."""
     kind = type(value)
-    if kind in _SIMPLE_TYPES:  # the common cases first: the key is computed on every call
+    if kind in SIMPLE_TYPES:  # the common cases first: the key is computed on every call
         return value
-    if kind is tuple and all(type(v) in _SIMPLE_TYPES for v in value):
+    if kind is tuple and all(type(v) in SIMPLE_TYPES for v in value):
         return tuple, value
     if isinstance(value, _SIMPLE):
         return value
     if depth and isinstance(value, (tuple, list)):
-        return type(value), tuple(_fingerprint(v, held, depth - 1) for v in value)
+        return type(value), tuple(fingerprint(v, held, depth - 1) for v in value)
     if depth and isinstance(value, dict):
-        return dict, tuple((k if isinstance(k, _SIMPLE) else _fingerprint(k, held, 0), _fingerprint(v, held, depth - 1))
+        return dict, tuple((k if isinstance(k, _SIMPLE) else fingerprint(k, held, 0), fingerprint(v, held, depth - 1))
                            for k, v in value.items())
     if (depth and not isinstance(value, (torch.Tensor, nn.Module, type, types.ModuleType)) and not callable(value)
             and isinstance(getattr(value, "__dict__", None), dict)):
-        return type(value), _fingerprint(vars(value), held, depth - 1)  # a config object, a namespace
+        return type(value), fingerprint(vars(value), held, depth - 1)  # a config object, a namespace
     held.append(value)
     if isinstance(value, torch.Tensor):
         if live or value.is_inference():
@@ -66,7 +65,7 @@ _END = object()
 def _module_key(m, held, root, key):
     """Append module ``m``'s part of the key to the flat list ``key``: its identity and mode, the ids of its hooks by
     kind, its children, its parameters and buffers (identity, dtype, device: a program reads their values live, as
-    :func:`_fingerprint`'s ``live``) and every other attribute by name, type and :func:`_fingerprint`."""
+    :func:`fingerprint`'s ``live``) and every other attribute by name, type and :func:`fingerprint`."""
     attributes = m.__dict__
     if m is not root:  # G itself is the cache's weak key: it is not held, and lives while its entries do
         held.append(m)
@@ -84,31 +83,47 @@ def _module_key(m, held, root, key):
     for name, value in attributes.items():
         if name not in _MODULE_INTERNALS:
             kind = type(value)
-            key += (name, kind, value if kind in _SIMPLE_TYPES else _fingerprint(value, held))
+            key += (name, kind, value if kind in SIMPLE_TYPES else fingerprint(value, held))
     key.append(_END)
 
 
 _GLOBALS: Dict[type, Any] = {}
 
 
+def own_classes(cls):
+    """A module class and its bases up to ``nn.Module``, in MRO order."""
+    return [c for c in cls.__mro__ if c not in nn.Module.__mro__]
+
+
 def own_attributes(cls):
     """``(name, value)`` of each attribute of a module class and of its bases up to ``nn.Module``, in that order,
     dunder names left out (what Python keeps on a class, such as the ``__slotnames__`` cache)."""
-    return tuple((n, v) for c in cls.__mro__ if c not in nn.Module.__mro__ for n, v in vars(c).items()
-                 if not n.startswith("__"))
+    return tuple((n, v) for c in own_classes(cls) for n, v in vars(c).items() if not n.startswith("__"))
 
 
-def _class_key(cls, held):
-    """The attributes of a module class and its bases up to ``nn.Module`` (``scale = 2.0`` in the class body),
-    and the globals its ``forward`` names (``SCALE`` in ``x * SCALE``)."""
+def forward_globals(cls):
+    """``(globals, names)``: the module globals a class's ``forward`` runs in, and the names its code reads from
+    them (remembered per class)."""
     names = _GLOBALS.get(cls)
     if names is None:
         forward = getattr(cls.forward, "__code__", None)
         glob = getattr(cls.forward, "__globals__", {})
         names = _GLOBALS[cls] = (glob, tuple(n for n in forward.co_names if n in glob) if forward else ())
-    glob, used = names
-    return (cls, tuple(_fingerprint(glob.get(n), held) for n in used),
-            tuple((n, _fingerprint(v, held)) for n, v in own_attributes(cls)))
+    return names
+
+
+def class_key(cls, held, namespaces=None, globals_read=None):
+    """The attributes of a module class and its bases up to ``nn.Module`` (``scale = 2.0`` in the class body),
+    and the globals its ``forward`` names (``SCALE`` in ``x * SCALE``); from ``namespaces`` (the dicts of those
+    classes) and ``globals_read`` (those globals' values) where given, recorded before."""
+    if namespaces is None:
+        namespaces = [vars(c) for c in own_classes(cls)]
+    if globals_read is None:
+        glob, used = forward_globals(cls)
+        globals_read = [glob.get(n) for n in used]
+    return (cls, tuple(fingerprint(v, held) for v in globals_read),
+            tuple((n, fingerprint(v, held)) for namespace in namespaces for n, v in namespace.items()
+                  if not n.startswith("__")))
 
 
 def key_of(G, zs, vs, batch):
@@ -130,26 +145,5 @@ def key_of(G, zs, vs, batch):
     for m in modules:
         _module_key(m, held, G, key)
     key.append(_END)
-    key.extend(_class_key(c, held) for c in sorted({type(m) for m in modules}, key=id))
+    key.extend(class_key(c, held) for c in sorted({type(m) for m in modules}, key=id))
     return tuple(key), held
-
-
-#: Attribute types a snapshot of G restores itself (:func:`mixedad._frontend.state.plain_attributes`).
-_REPLAYED = (bool, int, float, str, type(None), torch.Tensor)
-
-
-def structure_of(module, held):
-    """What a replay of ``module`` takes from it that no snapshot restores: its identity, hooks and children, its
-    attributes but numbers, strings and tensors (a snapshot replays those; parameters and buffers are versioned
-    apart), and its class's attributes and the globals its forward names. Equal where the module runs the same
-    code on the same configuration."""
-    if isinstance(module, torch.jit.ScriptModule):  # compiled code and attributes: its identity says what runs
-        return (id(module),)
-    attributes = module.__dict__
-    children = attributes["_modules"]
-    key = [id(module), hook_handles(module), tuple(children), tuple(map(id, children.values()))]
-    for name, value in attributes.items():
-        if name not in _MODULE_INTERNALS and not isinstance(value, _REPLAYED):
-            key += (name, type(value), _fingerprint(value, held))
-    key.append(_class_key(type(module), held))
-    return tuple(key)

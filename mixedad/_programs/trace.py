@@ -65,7 +65,8 @@ def _hooks(G):
 
 def _attributes_written(snapshot):
     """The first plain attribute of G's modules that the trace set or replaced (``module.name``), or None."""
-    for module, before in snapshot.attributes:
+    for recorded in snapshot.attributes:
+        module, before = recorded.module, recorded.values
         now = plain_attributes(module)
         for name in set(before) | set(now):
             old, new = before.get(name, _ABSENT), now.get(name, _ABSENT)

@@ -317,7 +317,7 @@ def test_a_generator_left_open_inside_no_grad_leaves_nothing_behind():
 @pytest.mark.parametrize("call", ["mixed_grad", "input_grad", "mixed_jacobian", "tangent_report"])
 def test_nothing_left_behind_when_g_raises(call):
     def G(z):
-        h = layer(z)
+        layer(z)
         with torch.no_grad():
             torch.set_grad_enabled(False)
             raise KeyError("boom inside G")

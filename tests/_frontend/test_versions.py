@@ -235,6 +235,33 @@ def test_a_copied_buffer_the_saved_pass_read_is_checked_too(name, build, message
         use()
 
 
+def _torch_layers(seed=0):
+    """G of torch.nn's own layers only, in eval mode: mixedad does not watch it run (it reads nothing else)."""
+    gen = torch.Generator().manual_seed(seed)
+    G = nn.Sequential(nn.Linear(W, W), nn.BatchNorm1d(W), nn.Tanh(), nn.Linear(W, W)).double().eval()
+    with torch.no_grad():
+        for p in G.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=F64) / 4)
+        G[1].running_mean.copy_(torch.randn(W, generator=gen, dtype=F64) / 4)
+    return G
+
+
+@pytest.mark.parametrize("name, build, message", OBJECTS[:-1], ids=[o[0] for o in OBJECTS[:-1]])  # all but implicit
+def test_a_g_of_torch_layers_is_checked_for_what_its_eval_forward_reads(name, build, message):
+    """Eval batch norm's running mean is read (a change raises); its num_batches_tracked is not (a change does not)."""
+    G = _torch_layers()
+    z, y, u = data()
+    opens, _, fix = message
+    use = build(G, z, y, u)
+    with torch.no_grad():
+        G[1].num_batches_tracked.add_(1)
+    use()
+    with torch.no_grad():
+        G[1].running_mean.add_(0.5)
+    with pytest.raises(StateChangedError, match=opens + r"the buffer 1\.running_mean of G was modified in place.*" + fix):
+        use()
+
+
 @pytest.mark.parametrize("name, build, message", [o for o in OBJECTS if o[0] in ("input_grad chunks", "matvec",
                                                                                  "implicit_argmin")],
                          ids=["input_grad chunks", "matvec", "implicit_argmin"])
@@ -245,6 +272,30 @@ def test_a_g_that_is_not_a_module_is_checked_through_the_modules_it_calls(name, 
     _parameter_under_no_grad(G, z, y)
     opens, _, fix = message
     with pytest.raises(StateChangedError, match=opens + PARAMETER.format(G="the Sequential that G calls") + ".*" + fix):
+        use()
+
+
+class _Scaled(nn.Module):
+    """tanh(x) times a class attribute, which the saved pass reads again as the class has it then."""
+
+    scale = 1.5
+
+    def forward(self, x):
+        return torch.tanh(x) * self.scale
+
+
+@pytest.mark.parametrize("name, build, message", [o for o in OBJECTS if o[0] in ("input_grad", "matvec",
+                                                                                 "implicit_argmin")],
+                         ids=["input_grad", "matvec", "implicit_argmin"])
+def test_a_changed_class_attribute_of_gs_modules_raises(name, build, message):
+    Scaled = type("Scaled", (_Scaled,), {})  # a class of this test's own, changed below
+    G = nn.Sequential(make("eval"), Scaled())
+    z, y, u = data()
+    use = build(G, z, y, u)
+    Scaled.scale = 2.0
+    opens, _, fix = message
+    with pytest.raises(StateChangedError, match=opens + r"the class Scaled of G's modules was changed \(a class "
+                                                        r"attribute, or a global its forward names\).*" + fix):
         use()
 
 

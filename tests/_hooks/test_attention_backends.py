@@ -1,12 +1,10 @@
 """Pins for mixedad._hooks.attention_backends: the math backend, the fast-path flag, and no fast path under a mode."""
-import pytest
 import torch
 from torch import nn
 
 from mixedad._hooks import attention_backends as hook
 
 from tests._hooks.recording import Seen
-
 
 
 def test_the_fast_path_flag_is_switched_off_and_restored():

@@ -4,7 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixedad._hooks.batch_norm import batch_norm_kernels, batch_norm_tangent, batch_norm_with_statistics
+from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm
+from torch.overrides import TorchFunctionMode
+
+from mixedad._hooks.batch_norm import batch_norm_kernels, batch_norm_tangent, batch_norm_with_statistics, read_in_eval
 
 SHAPES = {"1d": (6, 3), "1d_sequence": (4, 3, 5), "2d": (4, 3, 5, 5), "3d": (2, 3, 3, 4, 4)}
 
@@ -48,3 +52,34 @@ def test_the_backward_kernel_is_the_tangent(shape, channels_last):
 def test_other_devices_are_not_assumed_to_take_the_kernel():
     assert batch_norm_kernels(torch.empty(2, 3, device="meta"))
     assert not batch_norm_kernels(torch.empty(2, 3).to_sparse())
+
+
+class _Reads(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.ids = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for a in (*args, *(kwargs or {}).values()):
+            self.ids.update(id(t) for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+LAYERS = {
+    "BatchNorm1d": (lambda: nn.BatchNorm1d(3), (4, 3)),
+    "BatchNorm2d": (lambda: nn.BatchNorm2d(3), (2, 3, 4, 4)),
+    "BatchNorm3d": (lambda: nn.BatchNorm3d(3), (2, 3, 2, 2, 2)),
+    "InstanceNorm1d": (lambda: nn.InstanceNorm1d(3, track_running_stats=True), (2, 3, 5)),
+    "InstanceNorm2d": (lambda: nn.InstanceNorm2d(3, affine=True, track_running_stats=True), (2, 3, 4, 4)),
+    "spectral norm": (lambda: spectral_norm(nn.Linear(3, 3)), (2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_the_buffers_an_eval_forward_reads_are_those_read_in_eval_says(name):
+    make, shape = LAYERS[name]
+    layer = make().eval()
+    buffers = {(m, n): b for m in layer.modules() for n, b in m._buffers.items() if b is not None}
+    with _Reads() as reads:
+        layer(torch.randn(shape))
+    assert {key: id(b) in reads.ids for key, b in buffers.items()} == {key: read_in_eval(*key) for key in buffers}

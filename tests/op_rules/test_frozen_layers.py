@@ -217,7 +217,6 @@ def test_linear_without_input_features_takes_the_blas():
     G = nn.Sequential(nn.Linear(4, 0), nn.Linear(0, 3))
     z, y = torch.randn(2, 4), torch.randn(2, 3)
     f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
-    import mixedad
     from mixedad.reference import double_backward_mixed_grad
 
     assert_close(mixedad.mixed_grad(f, G, z, y), double_backward_mixed_grad(f, G, z, y, torch.ones_like(z)))
@@ -422,7 +421,6 @@ def test_eval_batchnorm_folds_into_the_convolution_before_it_only_where_nothing_
     exact against double backward."""
     import mixedad
     from mixedad.op_rules import _frozen_layers
-    import mixedad
     from mixedad.reference import double_backward_mixed_grad
 
     folds = []
@@ -449,7 +447,6 @@ def test_a_folded_tangent_in_another_layout_than_the_primal_still_reaches_its_ba
     BatchNorm finds the folded tangent itself and does not scale it twice."""
     import mixedad
     from mixedad.op_rules import _frozen_layers
-    import mixedad
     from mixedad.reference import double_backward_mixed_grad
 
     real_fold, real_into, folds = _frozen_layers._fold, _frozen_layers._folded_into, []
@@ -492,7 +489,6 @@ def test_a_folded_tangent_that_does_not_reach_its_batchnorm_is_refused_not_scale
 @pytest.mark.parametrize("case", ["one value per channel", "eval without running statistics", "empty batch"])
 def test_batch_norm_raises_and_runs_where_f_batch_norm_does(case):
     """Found by a review: the rule must not skip F.batch_norm's own checks, nor fail where it runs."""
-    import mixedad
     import mixedad
     from mixedad.reference import double_backward_mixed_grad
 
