@@ -86,7 +86,8 @@ class ZCurvature:
         try:
             with self._snapshot.watching(reads=True, mode=False):  # watched where G and f run
                 sliced = isinstance(segments, (str, int)) and isinstance(self._G, torch.nn.Sequential)
-                self._chain = Chain(call, split(call, self._G, segments), self._zs, whole=self._G if sliced else None)
+                self._chain = Chain(call, split(call, self._G, segments), self._zs, whole=self._G if sliced else None,
+                                    snapshot=self._snapshot)
                 if not isinstance(segments, str) and not isinstance(segments, int):
                     self._check_composition()
                 self._lam = None
@@ -180,7 +181,7 @@ class ZCurvature:
                 rows.append([torch.zeros_like(z) if r is None else r for r, z in zip(row, z_work)])
             return [torch.stack([row[m] for row in rows]) for m in range(len(z_work))]
         if self.kind == "ggn":
-            g_leaves, g_dots, spec = push(self._call, self._G, self._zs, us)
+            g_leaves, g_dots, spec = push(self._call, self._G, self._zs, us, self._snapshot)  # restored by _replaying
             _, mu = f_derivatives(self._call, self._f, self._y_leaves, self._y_spec, g_leaves, spec, g_dots)
             del g_leaves, g_dots  # the sweep below needs only mu
             if self._kept is not None:

@@ -154,8 +154,10 @@ class _InputGrad(torch.autograd.Function):
     def backward(ctx, *grad_outs):
         meta = ctx.meta
         # Checked before autograd's own check of z and y, with the parameter's or input's name. The replays leave
-        # no trace: RNG and buffers end as the forward left them.
-        with meta.versions.replaying(meta.states[0]):
+        # no trace: RNG and buffers end as the forward left them. The forward watched every op, so the replays, of
+        # the same ops from the same state, draw from the sources it saw (every_op=False); each pass restarts from
+        # its chunk's snapshot, just restored, rather than a new one.
+        with meta.versions.replaying(meta.states[0], every_op=False):
             tensors = ctx.saved_tensors
             zs, y_leaves = tensors[: meta.n_z], tensors[meta.n_z :]
             cotangents = [torch.zeros_like(zi) if g is None else g for g, zi in zip(grad_outs, zs)]
@@ -164,7 +166,7 @@ class _InputGrad(torch.autograd.Function):
                 state.restore()  # the RNG and buffers this chunk's forward pass saw
                 g_leaves, tangents, g_spec = push_tangent(
                     CALL, meta.G, [zi[c] for zi in zs], [g[c] for g in cotangents], strategy=meta.strategy,
-                    cotangent=f_cotangent(CALL, meta.f, y_leaves, meta.y_spec), compile=meta.compile,
+                    cotangent=f_cotangent(CALL, meta.f, y_leaves, meta.y_spec), compile=meta.compile, snapshot=state,
                 )
                 grads = contract_f_with_tangent(
                     CALL, meta.f, y_leaves, meta.y_spec, g_leaves, tangents, g_spec, create_graph=False

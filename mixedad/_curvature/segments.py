@@ -27,9 +27,12 @@ at a time, flat within each. With :math:`\sqrt{d}` segments of a depth-d G, both
 Random numbers and buffers: each segment is recomputed from the random state and the buffers it
 first ran from (a :class:`~mixedad._frontend.state.Snapshot` of the modules it runs), so dropout
 draws the same masks, and a train-mode spectral norm, whose forward steps its ``u`` and ``v``,
-gives the same weight, in every sweep.
+gives the same weight, in every sweep. A slice of G whose modules still hold, when it first runs, what
+the snapshot of all of G recorded (eval mode, nothing changed by an earlier slice) shares that
+snapshot's records instead of copying its buffers again (:meth:`~mixedad._frontend.state.Snapshot.part`).
 """
 import math
+from collections import Counter
 from typing import Any, List, Optional
 
 import torch
@@ -101,13 +104,14 @@ def _zeros_where_none(values, like):
     return [torch.zeros_like(x) if v is None else v for v, x in zip(values, like)]
 
 
-def push(call, G, zs, tangents):
+def push(call, G, zs, tangents, snapshot=None):
     """``(g_leaves, tangent_leaves, spec)`` for k tangents at once (each tangent with a leading k).
 
     One tangent takes mixedad's plain pass; several take one batched pass
     (:mod:`mixedad._frontend.batched`), or one pass each where a batch cannot be taken, each pass
     from the random state and buffers the first one started from.
-    Tangents of leaves without one are zeros.
+    Tangents of leaves without one are zeros. ``snapshot``: None, or a snapshot that records G's state as it is
+    now (just restored), for the plain passes to restart from (:func:`~mixedad._frontend.tangents.push_tangent`).
     """
     k = tangents[0].shape[0]
     if k > 1:
@@ -117,14 +121,14 @@ def push(call, G, zs, tangents):
         except UnderTransformError:
             pass
     if k == 1:
-        rows = [push_tangent(call, G, zs, [t[0] for t in tangents])]
+        rows = [push_tangent(call, G, zs, [t[0] for t in tangents], snapshot=snapshot)]
     else:  # one pass per tangent, each from the state the first saw (a train-mode spectral norm steps its u)
-        state, rows = Snapshot(G, call=call), []
+        state, rows = Snapshot(G, call=call) if snapshot is None else snapshot, []
         for j in range(k):
             if j:
                 state.restore()
             with state.watching():
-                rows.append(push_tangent(call, G, zs, [t[j] for t in tangents]))
+                rows.append(push_tangent(call, G, zs, [t[j] for t in tangents], snapshot=state))
     g_leaves, spec = rows[0][0], rows[0][2]
     stacked = []
     for i, g in enumerate(g_leaves):
@@ -137,9 +141,8 @@ def push(call, G, zs, tangents):
 
 def _unique_boundaries(G, segments):
     """Whether each slice's last module occurs once in G (so its forward hook marks one boundary)."""
-    modules = list(G)
-    return all(isinstance(s, nn.Sequential) and len(s) and sum(m is s[-1] for m in modules) == 1
-               for s in segments[:-1])
+    counts = Counter(map(id, G))
+    return all(isinstance(s, nn.Sequential) and len(s) and counts[id(s[-1])] == 1 for s in segments[:-1])
 
 
 def _stack(rows):
@@ -191,9 +194,11 @@ class Chain:
         segments: callables whose composition is G (:func:`split`).
         zs: the point, a tuple of tensors (G's positional inputs).
         whole: G itself when the segments are slices of it (an ``nn.Sequential``), or None.
+        snapshot: None, or the caller's snapshot of G taken before the chain runs, whose records a segment shares
+            where it can (:meth:`~mixedad._frontend.state.Snapshot.part`).
     """
 
-    def __init__(self, call, segments, zs, whole=None):
+    def __init__(self, call, segments, zs, whole=None, snapshot=None):
         self.call = call
         self.segments = list(segments)
         #: G, when the segments are slices of one nn.Sequential whose boundary modules occur once in it.
@@ -202,9 +207,11 @@ class Chain:
         states, self.snapshots = [[z.detach() for z in zs]], []
         with torch.no_grad():
             for i, segment in enumerate(self.segments):
-                snapshot = Snapshot(segment, call=call)  # a callable's modules are recorded as they first run
-                self.snapshots.append(snapshot)
-                with snapshot.watching(mode=not snapshot.torch_only):
+                # A callable's modules are recorded as they first run; a slice of G shares the records of G's snapshot
+                # where nothing changed since it was taken.
+                part = Snapshot(segment, call=call) if snapshot is None else snapshot.part(segment)
+                self.snapshots.append(part)
+                with part.watching(mode=not part.torch_only):
                     out = segment(*writable(states[-1]))  # a segment may write its input: not z, nor a boundary kept
                 leaves, self.spec = tree_flatten(out)
                 if i + 1 < len(self.segments) and not all(differentiable(leaf) for leaf in leaves):
@@ -232,7 +239,7 @@ class Chain:
         out = [list(us)]
         for i, segment in enumerate(self.segments):
             self.snapshots[i].restore()
-            g_leaves, pushed, _ = push(self.call, segment, self.states[i], out[-1])
+            g_leaves, pushed, _ = push(self.call, segment, self.states[i], out[-1], self.snapshots[i])
             out.append([t if t is not None or not differentiable(g) else g.new_zeros(us[0].shape[0], *g.shape)
                         for t, g in zip(pushed, g_leaves)])
         return out, g_leaves

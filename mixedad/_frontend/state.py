@@ -83,6 +83,8 @@ class Snapshot:
         self.saved, self.watched, self._seen, self.modules = [], [], set(), []
         self.attributes = []  # each module's plain attributes (_Attributes)
         self._untouched = None  # the quick test of what is recorded, built on first use after a module is recorded
+        self._positions = self._entries = None  # by id of each module recorded: its position in modules, its
+        # buffer records; built on first use
         #: The tensors the passes watched with ``reads=True`` read that they did not make.
         self.reads = watch.Reads()
         if not self._upfront:  # the random sources a function G closes over (a module's are its attributes)
@@ -99,7 +101,7 @@ class Snapshot:
             self._record_new(module)
 
     def _record_new(self, module):
-        self._untouched = None
+        self._untouched = self._positions = self._entries = None
         self._seen.add(id(module))
         self.modules.append(module)
         torch_layer = type(module).__module__.startswith("torch.nn.")
@@ -180,7 +182,7 @@ class Snapshot:
 
     def _quick(self):
         if self._untouched is None:
-            self._untouched = _Untouched(self)
+            self._untouched = _Untouched(self.attributes, [*self.saved, *self.watched])
         return self._untouched
 
     def undoing(self):
@@ -190,6 +192,44 @@ class Snapshot:
         if self._upfront and self.current():
             return _Undo(self)
         return Snapshot(self._G, modules=self.modules, call=self.call)
+
+    def part(self, part):
+        """A snapshot of ``part`` of G (a segment of it), taken now, before ``part`` runs.
+
+        Where ``part`` is a module whose modules this snapshot recorded (a slice of an ``nn.Sequential`` G, whose
+        own container holds nothing), none of them in train mode with buffers, and they hold now what this
+        snapshot recorded, restoring this snapshot's modules puts ``part``'s back as they are now: the result
+        takes the random state now and shares this snapshot's records, with no second copy of their buffers.
+        Else a snapshot of its own.
+        """
+        if isinstance(part, nn.Module):
+            modules = self._within(part)
+            untouched = None if modules is None else self._quick_of(modules)
+            if untouched is not None and not untouched.always and untouched.holds():
+                return _Part(self, untouched, modules)
+        return Snapshot(part, call=self.call)
+
+    def _within(self, part):
+        """``part``'s modules, where this snapshot recorded them all (but ``part`` itself where it is a plain
+        ``nn.Sequential`` slice, which holds nothing); else None."""
+        if self._positions is None:
+            self._positions = {id(m): i for i, m in enumerate(self.modules)}
+        positions = self._positions
+        if id(part) not in positions and not (type(part) is nn.Sequential and not forward_hooks(part)
+                                              and not part._buffers):
+            return None
+        modules = [m for m in part.modules() if m is not part or id(m) in positions]
+        return modules if all(id(m) in positions for m in modules) else None
+
+    def _quick_of(self, modules):
+        """The quick test (:class:`_Untouched`) of some of the modules recorded."""
+        if self._entries is None:
+            self._entries = {}
+            for entry in [*self.saved, *self.watched]:
+                self._entries.setdefault(id(entry.module), []).append(entry)
+        positions = self._positions or {id(m): i for i, m in enumerate(self.modules)}
+        return _Untouched([self.attributes[positions[id(m)]] for m in modules],
+                          [entry for m in modules for entry in self._entries.get(id(m), ())])
 
     def _restore_modules(self):
         untouched = self._quick()
@@ -223,20 +263,20 @@ class _Untouched:
     or last restored: each module's dict holds as many names as it held and its plain attributes the very objects
     they were, and every buffer is the same tensor at the same version (:meth:`holds`): the common case of a restore,
     which then writes nothing. ``always`` says whether the snapshot copies buffers back whatever their version
-    (train mode).
+    (train mode). Built from the modules' records (:class:`_Attributes`) and their buffers' (a snapshot's, or a part
+    of them: :meth:`Snapshot._within`).
     """
 
-    def __init__(self, snapshot):
-        attributes = snapshot.attributes
+    def __init__(self, attributes, entries):
         self.dicts, self.sizes = [vars(a.module) for a in attributes], [len(a.recorded) for a in attributes]
         self.owners = [vars(a.module) for a in attributes for _ in a.values]
         self.names = [name for a in attributes for name in a.values]
         self.values = [value for a in attributes for value in a.values.values()]
-        self.entries = [*snapshot.saved, *snapshot.watched]
+        self.entries = entries
         self.places = [entry.namespace() for entry in self.entries]
         self.buffers = [entry.name for entry in self.entries]
         self.tensors = [entry.tensor for entry in self.entries]
-        self.always = any(entry.always for entry in snapshot.saved)
+        self.always = any(entry.always for entry in self.entries)
 
     def holds(self):
         try:
@@ -285,6 +325,30 @@ class _Attributes:
         # Against the module's own dict: an attribute set to something no snapshot records (a trace's proxy) is
         # put back too.
         d.update((name, value) for name, value in values.items() if d.get(name, _ABSENT) is not value)
+
+
+class _Part:
+    """A snapshot of a part of G taken while the part's modules held what ``whole`` recorded (:meth:`Snapshot.part`):
+    the random state then, and ``whole``'s records of the modules, which its restore puts back where the part's
+    modules no longer hold them (``untouched``: the quick test of the part's modules)."""
+
+    saved = watched = ()  # the records are whole's
+
+    def __init__(self, whole, untouched, modules):
+        self.whole, self.call, self.torch_only, self._untouched = whole, whole.call, whole.torch_only, untouched
+        self.modules = modules  #: the part's modules (recorded by whole)
+        self.rng = whole.rng.again()
+        self.reads = watch.Reads()  # reads are watched by whole's snapshot
+
+    def watching(self, *, mode=True):
+        """Inside the block, generators first seen are recorded before they draw (as :meth:`Snapshot.watching`)."""
+        return random_state.watching(self.rng, mode=mode)
+
+    def restore(self):
+        with unseen():
+            self.rng.restore()
+            if not self._untouched.holds():  # modules outside the part are not what it computes with
+                self.whole._restore_modules()
 
 
 class _Undo:

@@ -243,7 +243,7 @@ def _whole_g(call, G, zs, vs, strategy, reason, recorder, cotangent, at_cotangen
     return _reverse(call, G, zs, vs, cotangent, at_cotangent, copies)
 
 
-def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=None, compile=False):
+def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=None, compile=False, snapshot=None):
     r"""Evaluate G at z and push the tangent v through it.
 
     .. math::
@@ -266,6 +266,8 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
             returning :math:`\nabla_g f(y, g)` per leaf, for G whose backward is not linear.
         compile: run G's compiled tangent program (:mod:`mixedad._programs.compiled`), checked
             against this eager pass on its first call, and falling back to it where none runs.
+        snapshot: None, or a :class:`~mixedad._frontend.state.Snapshot` that records G's state as it is now (a
+            replay that has just restored it), which a restart of the pass restores, instead of a new one.
 
     Returns:
         ``(g_leaves, tangent_leaves, spec)``: G's flattened output, the matching tangents
@@ -279,7 +281,8 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
             if recorder is not None:
                 recorder.fallback = "strategy='reverse'"
             return _reverse(call, G, zs, vs, cotangent)
-        forward = functools.partial(_push_forward, call, G, zs, vs, strategy, cotangent, recorder=recorder)
+        forward = functools.partial(_push_forward, call, G, zs, vs, strategy, cotangent, recorder=recorder,
+                                    snapshot=snapshot)
         if compile:
             return push_compiled(call, G, zs, vs, forward)
         if recorder is None and not skipped_paths():  # a report, or a pass told to skip rules, takes the per-op pass
@@ -294,13 +297,14 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
 FORWARD_PASS_LOCK = threading.RLock()
 
 
-def _push_forward(call, G, zs, vs, strategy, cotangent, *, recorder=None):
+def _push_forward(call, G, zs, vs, strategy, cotangent, *, recorder=None, snapshot=None):
     rules, inputs = OpRules(call, recorder), PassInputs(zs, vs)
 
     def whole_g(reason, at_cotangent=False):  # G gets copies of z only where the forward pass saw it write one
         return _whole_g(call, G, zs, vs, strategy, reason, recorder, cotangent, at_cotangent, copies=inputs.private)
 
-    snapshot = Snapshot(G, call=call)
+    if snapshot is None:
+        snapshot = Snapshot(G, call=call)
     if backward_hooks(snapshot.modules):
         return whole_g(_HOOKED, at_cotangent=True)
     for _ in range(MAX_RESTARTS + 1):

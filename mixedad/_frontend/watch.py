@@ -61,20 +61,33 @@ def note_generators(args, kwargs):
                 state.note(generator)
 
 
-_GENERATOR = torch.Generator
+_GENERATOR, _TENSOR = torch.Generator, torch.Tensor
 
 
 class _Watch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        note_generators(args, kwargs)
-        for guard in getattr(_local, "guards", None) or ():
-            guard.before(func, args, kwargs or {})
+        kwargs = kwargs or {}
         reads = getattr(_local, "reads", None)
         if not reads:
-            return func(*args, **(kwargs or {}))
+            note_generators(args, kwargs)
+            for guard in getattr(_local, "guards", None) or ():
+                guard.before(func, args, kwargs)
+            return func(*args, **kwargs)
+        # One scan of the arguments for both (this runs on every op of a watched pass).
+        observers, tensors = getattr(_local, "generators", None), []
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(value, _TENSOR):
+                tensors.append(value)
+            elif type(value) is tuple or type(value) is list:
+                tensors += [t for t in value if isinstance(t, _TENSOR)]
+            elif isinstance(value, _GENERATOR):
+                for state in observers or ():
+                    state.note(value)
+        for guard in getattr(_local, "guards", None) or ():
+            guard.before(func, args, kwargs)
         for r in reads:
-            r.before(args, kwargs)
-        out = func(*args, **(kwargs or {}))
+            r.read(tensors)
+        out = func(*args, **kwargs)
         for r in reads:
             r.made(out)
         return out
@@ -94,14 +107,21 @@ class Reads:
         # later) and not by an op: such a tensor is not listed, and it is no state of G that a replay reads again.
         self._seen, self._made = set(), set()
 
-    def before(self, args, kwargs):
-        for t in _tensors(args, kwargs):
-            if id(t) not in self._seen and id(t) not in self._made:
-                self._seen.add(id(t))
+    def read(self, tensors):
+        """Note ``tensors``, an op's tensor arguments."""
+        seen, made = self._seen, self._made
+        for t in tensors:
+            i = id(t)
+            if i not in seen and i not in made:
+                seen.add(i)
                 self.tensors.append(t)
 
     def made(self, out):
-        self._made.update(map(id, _tensors(out, None)))
+        """Note what an op returned as made by the pass."""
+        if isinstance(out, _TENSOR):
+            self._made.add(id(out))
+        else:
+            self._made.update(map(id, _tensors(out, None)))
 
 
 def handed(*trees):

@@ -65,19 +65,24 @@ class _Copy:
     __slots__ = ("copy", "deep")
 
     def __init__(self, namespace, read, *, also=(), skip=frozenset()):
-        self.copy, self.deep = dict(namespace), False
+        copy, self.deep = dict(namespace), False
         for name in also:
-            if name in self.copy:
-                self.copy[name] = type(self.copy[name])(self.copy[name])
-        for name in self.copy.keys() - skip:
-            value = self.copy[name]
-            if type(value) in SIMPLE_TYPES or not read(name, value) or _by_identity(value):
+            held = copy.get(name)
+            if held is not None:  # an empty one (most hook dicts) as the one empty dict: equal until written
+                copy[name] = type(held)(held) if held else _EMPTY
+        for name in copy.keys() - skip:
+            value = copy[name]
+            kind = type(value)
+            if kind in SIMPLE_TYPES or (kind is tuple and all(map(SIMPLE_TYPES.__contains__, map(type, value)))):
+                continue
+            if not read(name, value) or _by_identity(value):
                 continue
             if type(value) in (list, dict, set) and all(map(_by_identity, value.values() if type(value) is dict
                                                                       else value)):
-                self.copy[name] = type(value)(value)
+                copy[name] = type(value)(value)
             else:
                 self.deep = True
+        self.copy = copy
 
     def same(self, namespace):
         """Whether ``namespace`` compares equal to the copy (an object's ``==`` that raises, as a tensor's, says
@@ -86,6 +91,9 @@ class _Copy:
             return not self.deep and bool(namespace == self.copy)
         except Exception:  # noqa: BLE001 - a value replaced by one whose == is not a truth value
             return False
+
+
+_EMPTY: dict = {}  # never written: stands for every empty dict a copy holds
 
 
 def _by_identity(value):

@@ -1,4 +1,6 @@
 """G as segments: the split, the boundaries, and the sweeps against torch.func in float64."""
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -70,3 +72,94 @@ def test_push_batches_tangents_or_goes_one_by_one():
                                                                                   G.named_buffers()}, (q,)),
                                            (z,), (v,))[1] for v in vs])
     assert_close(tangents[0], expected.detach(), rtol=1e-12)
+
+
+def _hessian(f, G, z, y):
+    return torch.func.hessian(lambda q: f(y, G(q)))(z).reshape(z.numel(), z.numel()).detach()
+
+
+def _eval_chain(width=4, depth=6):
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.BatchNorm1d(width), nn.Tanh()]
+    G = nn.Sequential(*layers).to(F64).eval()
+    gen = torch.Generator().manual_seed(1)
+    for m in G.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.running_mean.copy_(torch.randn(width, generator=gen, dtype=F64))
+            m.running_var.copy_(torch.rand(width, generator=gen, dtype=F64) + 0.5)
+    z, y = torch.randn(3, width, generator=gen, dtype=F64), torch.randn(3, width, generator=gen, dtype=F64)
+    f = lambda y, g: ((g - y) ** 2).sum() + (torch.sin(g) * y).sum()  # noqa: E731
+    return f, G, z, y
+
+
+def test_slices_of_an_untouched_eval_g_share_the_records_of_gs_snapshot():
+    """No second copy of the buffers per segment: each slice's snapshot is G's records and the random state then;
+    the products are exact, in either kind, and G's buffers are not written."""
+    f, G, z, y = _eval_chain()
+    buffers = {n: (b, b._version) for n, b in G.named_buffers()}
+    for kind in ("hessian", "ggn"):
+        op = mixedad.z_curvature(f, G, z, y, kind=kind, segments=3, damping=0.0)
+        assert [type(s).__name__ for s in op._chain.snapshots] == ["_Part"] * 3
+        assert all(len(s.saved) == 0 for s in op._chain.snapshots)
+        if kind == "hessian":
+            assert_close(op.dense(), _hessian(f, G, z, y), rtol=1e-10)
+        else:
+            assert op.dense().shape == (12, 12)
+    assert all(b is dict(G.named_buffers())[n] and b._version == v for n, (b, v) in buffers.items())
+
+
+class _Counting(nn.Module):
+    """A module whose forward counts its calls and scales by the count: it is shared by two segments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * (1.0 + 0.1 * self.calls)
+
+
+def test_a_module_changed_by_an_earlier_segment_gets_a_snapshot_of_its_own():
+    """A module shared by segments 1 and 3 is not what G's snapshot recorded when segment 3 starts: that segment
+    takes its own snapshot, and every sweep replays the count each segment saw."""
+    f, G, z, y = _eval_chain(depth=2)
+    counting = _Counting()
+    G = nn.Sequential(G[0], counting, G[1], G[2], counting, G[3:]).to(F64).eval()
+    kinds = [type(s).__name__ for s in mixedad.z_curvature(f, G, z, y, segments=6)._chain.snapshots]
+    assert kinds[:4] == ["_Part"] * 4 and kinds[4] == "Snapshot"
+    counting.calls = 0
+    op = mixedad.z_curvature(f, G, z, y, kind="hessian", segments=6, damping=0.0)
+    assert counting.calls == 0  # as the caller had it: the construction is undone like a replay
+    dense = op.dense()
+    assert counting.calls == 0
+
+    def naive(q):
+        counting.calls = 0
+        return f(y, G(q))
+
+    assert_close(dense, torch.func.hessian(naive)(z).reshape(12, 12).detach(), rtol=1e-10)
+
+
+def test_a_segment_with_a_backward_hook_still_takes_the_hooked_route():
+    """The shared snapshot lists the segment's modules, so a backward hook inside one is seen: the Hessian's
+    products, whose tangents go segment by segment, are double backward's (the hook doubles the gradient through
+    the segment's Linear), not forward mode's."""
+    f, G, z, y = _eval_chain(depth=3)
+    u = torch.randn_like(z)
+    plain = mixedad.z_curvature(f, G, z, y, kind="hessian", segments=3, damping=0.0) @ u
+    handle = G[4].register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 2.0,))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "mixedad: a module of G has backward hooks", RuntimeWarning)
+            op = mixedad.z_curvature(f, G, z, y, kind="hessian", segments=3, damping=0.0)
+            assert [type(s).__name__ for s in op._chain.snapshots] == ["_Part"] * 3
+            product = op @ u
+        zz = z.detach().requires_grad_()
+        (gradient,) = torch.autograd.grad(f(y, G(zz)), zz, create_graph=True)
+        (expected,) = torch.autograd.grad(gradient, zz, u)
+    finally:
+        handle.remove()
+    assert_close(product, expected, rtol=1e-10)
+    assert (product - plain).norm() > 0.1 * plain.norm()  # the hook matters here
