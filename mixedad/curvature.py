@@ -22,7 +22,7 @@ from mixedad._curvature.segments import Chain, f_derivatives, push, split
 from mixedad._entry import eager, frozen, public_call
 from mixedad._backend import evaluate_f
 from mixedad._frontend import watch
-from mixedad._frontend.inputs import writable
+from mixedad._frontend.inputs import on_inputs, writable
 from mixedad._frontend.state import Snapshot
 from mixedad._frontend.versions import Versions, input_labels
 from mixedad._hooks.attention_backends import differentiable_attention
@@ -108,7 +108,7 @@ class ZCurvature:
         with torch.no_grad():
             self._snapshot.restore()
             with watch.ops():
-                leaves = tree_flatten(self._G(*self._zs))[0]
+                leaves = tree_flatten(self._G(*writable(self._zs)))[0]  # G may write its input: not the caller's z
         ours = self._chain.output
         assert ours is not None  # checked before the output is dropped
         if len(leaves) != len(ours) or any(
@@ -117,13 +117,21 @@ class ZCurvature:
             raise ValueError(f"{self._call}: the segments given do not compose to G: applied in order to z, they give "
                              f"another output than G(z).")
 
+    def _wrote_z(self, i):
+        label = "z" if not self._tuple else f"z[{i}]"
+        raise RuntimeError(f"{self._call}: G wrote its input {label} in place with grad enabled, which it did not do "
+                           f"under torch.no_grad() when the operator's segments ran; it may have changed the caller's "
+                           f"{label}. Make G write its input in both grad modes or in neither.")
+
     def _keep_graph(self):
         z_work = [z.detach().requires_grad_() for z in self._zs]
         self._snapshot.restore()  # the random state and buffers of the call: the masks every product sees
         # G runs on copies of its buffers: the kept graph saves them (BatchNorm saves its running statistics), and
         # the user's own buffers, restored in place afterwards, must not be the tensors it saved.
         with self._snapshot.private_buffers(), torch.enable_grad(), differentiable_attention():
-            out = tree_flatten(frozen(self._G)(*writable(z_work)))[0]
+            # G takes copies of z only where it wrote its input when the chain ran it (a copy its first op saves
+            # would stay in the kept graph).
+            out = tree_flatten(on_inputs(frozen(self._G), z_work, copies=self._chain.writes[0], refuse=self._wrote_z))[0]
             if self.kind == "ggn":
                 return z_work, [o if differentiable(o) and o.requires_grad else None for o in out]
             g_in = [o for o in out]

@@ -326,3 +326,42 @@ def test_a_singular_ggn_says_so():
                              dtype=F64), torch.randn(2, generator=gen, dtype=F64), kind="ggn")
     with pytest.raises(mixedad.CurvatureError, match="Gauss-Newton matrix is only positive semi-definite"):
         op.solve(torch.randn(6, generator=gen, dtype=F64))
+
+
+def test_keep_graph_saves_z_itself_unless_g_writes_its_input():
+    """The kept graph holds no copy of z (its first op saves the caller's z's memory), where G does not write
+    its input; a G that does gets a copy, exact, and the caller's z is left as it was."""
+    f = lambda y, g: ((g - y) ** 2).sum() + (torch.sin(g) * y).sum()  # noqa: E731
+    gen = torch.Generator().manual_seed(2)
+    z, y = torch.randn(3, 4, generator=gen, dtype=F64), torch.randn(3, 4, generator=gen, dtype=F64)
+    G = nn.Sequential(nn.Softplus(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).to(F64)  # softplus saves its input
+    saved = []
+
+    def pack(t):
+        saved.append(t.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mixedad.z_curvature(f, G, z, y, kind="ggn", keep_graph=True)
+    assert z.data_ptr() in saved  # the first op saved z itself, not a copy
+    writes = nn.Sequential(nn.ReLU(inplace=True), *G)
+    z_before = z.clone()
+    op = mixedad.z_curvature(f, writes, z, y, kind="hessian", keep_graph=True)
+    assert op._chain.writes[0] and torch.equal(z, z_before)
+    assert_close(op.dense(), torch.func.hessian(lambda q: f(y, writes(q.clone())))(z).reshape(12, 12), rtol=1e-10)
+    assert torch.equal(z, z_before)
+
+
+class _WritesItsInputWithGrad(nn.Module):
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                x.mul_(1.0)
+        return torch.tanh(x)
+
+
+def test_keep_graph_refuses_a_g_that_writes_its_input_only_with_grad():
+    f = lambda y, g: ((g - y) ** 2).sum()  # noqa: E731
+    z, y = torch.randn(3, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    with pytest.raises(RuntimeError, match=r"^z_curvature\(f, G, z, y\): G wrote its input z in place with grad"):
+        mixedad.z_curvature(f, _WritesItsInputWithGrad(), z, y, keep_graph=True)

@@ -41,7 +41,7 @@ from torch import nn
 from mixedad._entry import frozen
 from mixedad._frontend.batched import push_tangents
 from mixedad._backend import evaluate_f
-from mixedad._frontend.inputs import writable
+from mixedad._frontend.inputs import on_inputs, writable
 from mixedad._frontend.state import Snapshot
 from mixedad._frontend.tangents import push_tangent
 from mixedad._hooks.attention_backends import differentiable_attention
@@ -205,14 +205,19 @@ class Chain:
         self.whole = whole if whole is not None and _unique_boundaries(whole, self.segments) else None
         self._calls = [frozen(s) for s in self.segments]
         states, self.snapshots = [[z.detach() for z in zs]], []
+        #: Whether each segment wrote its input in place when it ran here: only those take copies when recomputed.
+        self.writes: List[bool] = []
         with torch.no_grad():
             for i, segment in enumerate(self.segments):
                 # A callable's modules are recorded as they first run; a slice of G shares the records of G's snapshot
                 # where nothing changed since it was taken.
                 part = Snapshot(segment, call=call) if snapshot is None else snapshot.part(segment)
                 self.snapshots.append(part)
+                inputs = writable(states[-1])  # a segment may write its input: not z, nor a boundary kept
                 with part.watching(mode=not part.torch_only):
-                    out = segment(*writable(states[-1]))  # a segment may write its input: not z, nor a boundary kept
+                    out = segment(*inputs)
+                self.writes.append(any(t._version for t in inputs if isinstance(t, torch.Tensor)))
+                del inputs
                 leaves, self.spec = tree_flatten(out)
                 if i + 1 < len(self.segments) and not all(differentiable(leaf) for leaf in leaves):
                     raise TypeError(f"{call}: segment {i} returned {describe(out)}; a segment other than the last must "
@@ -266,10 +271,19 @@ class Chain:
         return out, g_leaves
 
     def _recompute(self, i):
+        """Segment i's graph from its boundary, from the state it first ran from. It takes a copy of the boundary
+        only where it wrote its input in place when it first ran (a copy its first op saves would add a boundary
+        to the sweep's peak); a replay that writes it where the first run did not is refused, before the boundary
+        is used again."""
         self.snapshots[i].restore()
         x = [s.detach().requires_grad_() for s in self.states[i]]
-        out = tree_flatten(self._calls[i](*writable(x)))[0]
-        return x, out
+
+        def refuse(_):
+            raise RuntimeError(f"{self.call}: segment {i} wrote its input in place in a sweep, which it did not do "
+                               f"when the operator was built (under torch.no_grad()): the boundary mixedad keeps is "
+                               f"now changed. Make the segment write its input in both grad modes or in neither.")
+
+        return x, tree_flatten(on_inputs(self._calls[i], x, copies=self.writes[i], refuse=refuse))[0]
 
     def pull(self, ws):
         r"""``J_G^T w`` for k cotangents ``ws`` (one per output leaf, leading k; None where there is none)."""

@@ -90,3 +90,17 @@ def writable(tensors):
     nothing to a reverse pass's peak but where that op saves its input.
     """
     return [t.clone() for t in tensors]
+
+
+def on_inputs(fn, tensors, *, copies, refuse):
+    """``fn(*tensors)`` in a reverse pass that repeats one seen before: on copies (:func:`writable`) where ``copies``
+    (fn wrote its input when it first ran), else on ``tensors`` themselves, so that no copy its first op saves adds
+    to the graph; ``refuse(index)`` is called (and raises) if fn then writes one of them after all."""
+    if copies:
+        return fn(*writable(tensors))
+    versions = [t._version for t in tensors]
+    out = fn(*tensors)
+    for i, (t, version) in enumerate(zip(tensors, versions)):
+        if t._version != version:
+            refuse(i)
+    return out

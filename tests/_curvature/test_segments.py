@@ -163,3 +163,32 @@ def test_a_segment_with_a_backward_hook_still_takes_the_hooked_route():
         handle.remove()
     assert_close(product, expected, rtol=1e-10)
     assert (product - plain).norm() > 0.1 * plain.norm()  # the hook matters here
+
+
+def test_only_segments_that_write_their_input_take_a_copy_of_their_boundary():
+    """A slice that starts with an in-place activation writes its input: its recomputation takes a copy (the
+    boundary stays as kept), and the products are exact; the others take none, so no copy is in the peak."""
+    f, G, z, y = _eval_chain(depth=3)
+    G = nn.Sequential(*G[0:4], nn.ReLU(inplace=True), *G[4:7], nn.ReLU(inplace=True), G[8])  # each after a Linear
+    op = mixedad.z_curvature(f, G, z, y, kind="hessian", segments=[G[0:4], G[4:8], G[8:10]], damping=0.0)
+    assert op._chain.writes == [False, True, True]
+    kept = [s[0].clone() for s in op._chain.states]
+    assert_close(op.dense(), _hessian(f, G, z, y), rtol=1e-10)
+    assert all(torch.equal(a, s[0]) for a, s in zip(kept, op._chain.states))
+
+
+class _WritesWithGrad(nn.Module):
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                x.mul_(1.0)
+        return x * 2
+
+
+def test_a_segment_that_writes_its_input_only_in_a_sweep_is_refused():
+    f, G, z, y = _eval_chain(depth=2)
+    G = nn.Sequential(*G[:3], _WritesWithGrad(), *G[3:]).to(F64).eval()
+    op = mixedad.z_curvature(f, G, z, y, kind="ggn", segments=[G[:3], G[3:]], damping=0.0)
+    assert op._chain.writes == [False, False]
+    with pytest.raises(RuntimeError, match=r"^z_curvature\(f, G, z, y\): segment 1 wrote its input in place in a sweep"):
+        op @ torch.randn_like(z)
