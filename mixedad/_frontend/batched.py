@@ -33,7 +33,7 @@ import torch
 from mixedad._frontend.nesting import one_pass
 from mixedad._programs.compiled import push_compiled
 from mixedad._frontend import random_state
-from mixedad._frontend.state import Snapshot
+from mixedad._frontend.state import Snapshot, torch_layers_only
 from mixedad._frontend.inputs import PassInputs
 from mixedad._frontend.tangents import _HOOKED, _THREADS, MAX_RESTARTS, _tensors_only, forward_pass
 from mixedad._hooks.function_apply import routing
@@ -132,7 +132,7 @@ def push_under_vmap(call, G, zs, vs, *, recorder=None):
     if found is None:
         return None
     level, batch = found
-    rng, recorded = random_state.RandomState(G), PathRecorder()
+    rng, recorded = random_state.RandomState(G, host=not torch_layers_only(G)), PathRecorder()
     try:
         with random_state.watching(rng):
             g_leaves, tangents, spec = push_tangents(call, G, zs, batch, recorder=recorded)

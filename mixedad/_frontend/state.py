@@ -426,6 +426,13 @@ _PLAIN = (bool, int, float, str, type(None), torch.Tensor)
 _ABSENT = object()
 
 
+def torch_layers_only(G):
+    """Whether G is a module of ``torch.nn``'s own layers with no hooks: it runs no Python code of the user's, so it
+    draws nothing from Python's or NumPy's random state (:class:`~mixedad._frontend.random_state.RandomState`'s
+    ``host``)."""
+    return isinstance(G, nn.Module) and _torch_layers_only(list(G.modules()))
+
+
 def _torch_layers_only(modules):
     """Whether G's ``modules`` are all ``torch.nn``'s own layers with no hooks: no Python code of the user's runs in
     them, so they draw nothing from Python's or NumPy's random state."""
