@@ -17,7 +17,6 @@ import warnings
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from mixedad._hooks.compiled import compiling, original_of
 from mixedad._hooks.pytree import tree_leaves, tree_map
@@ -82,22 +81,32 @@ def eager(G):
 def frozen(G):
     """G as a callable whose parameters are constants for autograd.
 
-    For an ``nn.Module``, the call goes through ``torch.func.functional_call`` with detached
-    parameters: autograd then neither records G's parameters nor keeps the activations their
-    gradients would need, and the module's requires_grad flags are never touched. Other
-    callables, and ``torch.jit.script``'ed modules, are returned as they are.
+    For an ``nn.Module``, G runs with its parameters that require grad replaced by detached views of
+    them for the call (in each module's parameter dict, as ``torch.func.functional_call`` would, at
+    a fraction of its cost), and put back after it, even when it raises: autograd then neither
+    records G's parameters nor keeps the activations their gradients would need, and the module's
+    requires_grad flags are never touched. Other callables, and ``torch.jit.script``'ed modules,
+    are returned as they are.
     """
     if not isinstance(G, nn.Module):
         return G
     if not any(p.requires_grad for p in G.parameters()):
         return G  # already frozen: nothing for autograd to record
     if isinstance(G, torch.jit.ScriptModule):
-        # functional_call cannot enter a scripted module: it runs as it is. torch.autograd.grad
+        # A scripted module keeps no parameter dict to swap: it runs as it is. torch.autograd.grad
         # still writes no .grad; only the graph through its parameters is kept as well.
         return G
 
     def call(*args):
-        params = {name: p.detach() for name, p in G.named_parameters()}
-        return functional_call(G, params, args)
+        swapped = [(m._parameters, name, p) for m in G.modules() for name, p in m._parameters.items()
+                   if p is not None and p.requires_grad]
+        detached: dict = {}  # a parameter two modules share (tied weights) stays one tensor
+        try:
+            for params, name, p in swapped:
+                params[name] = detached[id(p)] if id(p) in detached else detached.setdefault(id(p), p.detach())
+            return G(*args)
+        finally:
+            for params, name, p in swapped:
+                params[name] = p
 
     return call

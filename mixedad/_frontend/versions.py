@@ -147,13 +147,13 @@ class Versions:
         self.params, self.buffers, seen, every_buffer, every_module = [], [], set(), set(), {}
         for root in _roots(G, modules):
             of = _owner_of(G, root, owner)
-            names = []
+            found = []
             for prefix, module in root.named_modules():  # named_parameters()'s and named_buffers()' names and order
                 every_module.setdefault(id(module), module)
                 for local, p in module._parameters.items():
                     if p is not None and id(p) not in seen:
                         seen.add(id(p))
-                        names.append((prefix + "." + local if prefix else local, p, _version(p), _stamp(p), module, local))
+                        found.append((prefix + "." + local if prefix else local, p, module, local))
                 for local, b in module._buffers.items():
                     if b is not None and id(b) not in every_buffer:
                         every_buffer.add(id(b))
@@ -161,6 +161,9 @@ class Versions:
                         if entry is not None:
                             self.buffers.append([f"the buffer {prefix + '.' + local if prefix else local} of {of}", b,
                                                  _version(b)])
+            params = [p for _, p, _, _ in found]
+            names = [(name, p, version, stamp, module, local) for (name, p, module, local), version, stamp
+                     in zip(found, _versions(params), _stamps(params))]
             self.params.append((root, of, names, _Quick(names)))
         for entry in watched.values():  # a plain tensor attribute, or a buffer outside the roots
             label = f"the tensor {entry.name} of a {type(entry.module).__name__} that {owner} calls"
@@ -262,6 +265,22 @@ class _Quick:
 
 
 _VERSION, _SHAPE, _DATA_PTR = operator.attrgetter("_version"), operator.attrgetter("shape"), operator.methodcaller("data_ptr")
+
+
+def _versions(tensors):
+    """:func:`_version` of each tensor, in C where none is an inference tensor (the common case)."""
+    try:
+        return list(map(_VERSION, tensors))
+    except RuntimeError:
+        return list(map(_version, tensors))
+
+
+def _stamps(tensors):
+    """:func:`_stamp` of each tensor, in C where each has one address (the common case)."""
+    try:
+        return list(zip(map(_SHAPE, tensors), map(_DATA_PTR, tensors)))
+    except RuntimeError:
+        return list(map(_stamp, tensors))
 
 
 def _stamp(t):
