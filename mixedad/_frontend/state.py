@@ -212,9 +212,7 @@ class Snapshot:
     def _within(self, part):
         """``part``'s modules, where this snapshot recorded them all (but ``part`` itself where it is a plain
         ``nn.Sequential`` slice, which holds nothing); else None."""
-        if self._positions is None:
-            self._positions = {id(m): i for i, m in enumerate(self.modules)}
-        positions = self._positions
+        positions, _ = self._index()
         if id(part) not in positions and not (type(part) is nn.Sequential and not forward_hooks(part)
                                               and not part._buffers):
             return None
@@ -223,13 +221,18 @@ class Snapshot:
 
     def _quick_of(self, modules):
         """The quick test (:class:`_Untouched`) of some of the modules recorded."""
-        if self._entries is None:
+        positions, entries = self._index()
+        return _Untouched([self.attributes[positions[id(m)]] for m in modules],
+                          [entry for m in modules for entry in entries.get(id(m), ())])
+
+    def _index(self):
+        """By id of each module recorded: its position in :attr:`modules`, and its buffers' records."""
+        if self._positions is None:
+            self._positions = {id(m): i for i, m in enumerate(self.modules)}
             self._entries = {}
             for entry in [*self.saved, *self.watched]:
                 self._entries.setdefault(id(entry.module), []).append(entry)
-        positions = self._positions or {id(m): i for i, m in enumerate(self.modules)}
-        return _Untouched([self.attributes[positions[id(m)]] for m in modules],
-                          [entry for m in modules for entry in self._entries.get(id(m), ())])
+        return self._positions, self._entries
 
     def _restore_modules(self):
         untouched = self._quick()
