@@ -4,12 +4,13 @@
 #   make test-quick   the suite without the slow OpInfo sweep and the notebooks
 #   make docs   the documentation site (Sphinx) into docs/_build/html
 #   make typecheck   mypy on the public modules
+#   make unused   the unused-code check (vulture) on the package
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --constraint constraints.txt
 
-.PHONY: demo test test-quick typecheck docs notebooks install install-test install-docs clean
+.PHONY: demo test test-quick typecheck unused docs notebooks install install-test install-docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,10 @@ test-quick: install-test
 # mypy on the public modules (mypy.ini).
 typecheck: install-test
 	$(PY) -m mypy
+
+# Unused code in the package (vulture; what it cannot see is listed in the script).
+unused: install-test
+	$(PY) scripts/unused_code.py
 
 # The documentation site, warnings as errors, into docs/_build/html.
 docs: install-docs

@@ -5,7 +5,7 @@ channels, batch 32), for random draws of z, y and v, ``mixed_grad`` of the bench
 each float32 route, compared (relative 2-norm difference) with the float32 per-op pass and with the
 per-op pass on a float64 copy of G:
 
-- ``per-op pass``: inside ``mixedad.per_op_pass()`` (G's primal as a plain forward computes it, so
+- ``per-op pass``: inside ``mixedad.programs.per_op_pass()`` (G's primal as a plain forward computes it, so
   every ReLU kink on double backward's side);
 - ``default``: ``mixed_grad`` from its third call, G's tangent program (written and checked on the
   first draw; G's own calls for the primal, the batch norms' scale folded into the tangent's
@@ -46,7 +46,7 @@ def differences(G, shape, draws, seed=7):
     for i in tqdm(range(draws + 1), desc="float32 kinks", unit="draw", file=sys.stderr):
         z, v = torch.randn(z_shape, generator=gen), torch.randn(z_shape, generator=gen)
         y = torch.randn(y_shape, generator=gen)
-        with mixedad.per_op_pass():
+        with mixedad.programs.per_op_pass():
             per_op = mixedad.mixed_grad(objective, G, z, y, v)
             exact = mixedad.mixed_grad(objective, G64, z.double(), y.double(), v.double())
         default = mixedad.mixed_grad(objective, G, z, y, v)

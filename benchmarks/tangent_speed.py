@@ -107,7 +107,7 @@ def point(name, G, z, y, v, with_jvp, with_hand, repeats, also_compiled):
             return G(z)
 
     def per_op():
-        with mixedad.per_op_pass():
+        with mixedad.programs.per_op_pass():
             return mixedad.mixed_grad(objective, G, z, y, v)
 
     fns = {"plain_forward": lambda: torch.no_grad()(G)(z), "two plain forwards": two_forwards,
@@ -119,7 +119,7 @@ def point(name, G, z, y, v, with_jvp, with_hand, repeats, also_compiled):
         start = time.perf_counter()
         mixedad.mixed_grad(objective, G, z, y, v, compile=True)
         compiled_seconds = time.perf_counter() - start
-        [entry] = mixedad.compiled_tangents(G)[-1:]
+        [entry] = mixedad.programs.compiled_tangents(G)[-1:]
         if entry.status != "compiled":
             raise RuntimeError(f"{name}: compile=True ran eager: {entry.reason}")
         fns["mixed_grad compiled"] = lambda: mixedad.mixed_grad(objective, G, z, y, v, compile=True)

@@ -4,12 +4,15 @@ The public surface. Besides the functions below, the submodules ``mixedad.refere
 (double-backward ground truth), ``mixedad.op_rules`` (what
 happens to each op of G: the per-op tangent rules), ``mixedad.profiling`` (exact peak memory), ``mixedad.testing``
 (comparisons), ``mixedad.zoo`` (random-weight generators), ``mixedad.distributed``
-(sharding latent codes across processes) and ``mixedad.benchmark`` (side-by-side profiling)
-are public.
+(sharding latent codes across processes), ``mixedad.benchmark`` (side-by-side profiling) and
+``mixedad.programs`` (the tangent programs mixedad wrote or compiled, and the per-op pass on
+demand) are public. Importing mixedad needs torch and NumPy only: tqdm and matplotlib are loaded
+by the benchmark functions that draw bars and plots.
 """
-from mixedad import benchmark, distributed, op_rules, profiling, reference, testing, zoo
+import warnings as _warnings
+
+from mixedad import benchmark, distributed, op_rules, profiling, programs, reference, testing, zoo
 from mixedad._frontend.versions import StateChangedError
-from mixedad._programs.compiled import CompiledTangent, compiled_tangents, per_op_pass
 from mixedad.cached import cached_backward
 from mixedad.curvature import CurvatureError, ZCurvature, z_curvature
 from mixedad.graph import GraphReport, graph_report
@@ -22,7 +25,6 @@ from mixedad.report import TangentReport, tangent_report
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompiledTangent",
     "CurvatureError",
     "EagerPenalties",
     "GraphReport",
@@ -30,22 +32,32 @@ __all__ = [
     "TangentReport",
     "ZCurvature",
     "cached_backward",
-    "compiled_tangents",
     "graph_report",
     "implicit_argmin",
     "implicit_grad",
     "input_grad",
     "mixed_grad",
     "mixed_jacobian",
-    "per_op_pass",
     "tangent_report",
     "z_curvature",
     "benchmark",
     "op_rules",
     "distributed",
     "profiling",
+    "programs",
     "reference",
     "testing",
     "zoo",
     "__version__",
 ]
+
+#: Names that moved from the top level into :mod:`mixedad.programs` (program internals, not the main surface).
+_MOVED = {"CompiledTangent": "programs", "compiled_tangents": "programs", "per_op_pass": "programs"}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        _warnings.warn(f"mixedad.{name} is now mixedad.{_MOVED[name]}.{name}; the top-level name will be removed.",
+                       DeprecationWarning, stacklevel=2)
+        return getattr(globals()[_MOVED[name]], name)
+    raise AttributeError(f"module 'mixedad' has no attribute {name!r}")

@@ -39,7 +39,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextI
 
 import torch
 from torch.autograd import forward_ad
-from tqdm import tqdm  # the console bar: tqdm.auto would want ipywidgets inside notebooks
 
 from mixedad import zoo
 from mixedad.mixed import mixed_grad
@@ -105,17 +104,17 @@ def _mixed_grad_no_onednn(f, G, z, y, v):
 
 
 def _mixed_grad_no_local_rule(f, G, z, y, v):
-    from mixedad.op_rules import FORMULA, LOCAL, skipping
+    from mixedad.op_rules import Path, skipping
 
-    with skipping(LOCAL, FORMULA), warnings.catch_warnings():
+    with skipping(Path.LOCAL, Path.FORMULA), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "mixedad: ", RuntimeWarning)
         return mixed_grad(f, G, z, y, v)
 
 
 def _mixed_grad_math_attention(f, G, z, y, v):
-    from mixedad.op_rules import ATTENTION, skipping
+    from mixedad.op_rules import Path, skipping
 
-    with skipping(ATTENTION):
+    with skipping(Path.ATTENTION):
         return mixed_grad(f, G, z, y, v)
 
 
@@ -262,8 +261,9 @@ def profile(model: str, depths: Sequence[int], *, width: int, batch: int, dtype:
         \mathrm{peak\_vs\_}b = \frac{\mathrm{peak}(s)}{\mathrm{peak}(b)}, \qquad
         b \in \{\mathrm{plain\_forward}, \mathrm{double\_backward}\}
 
-    Each row also holds ``max_rel_error`` against double backward. A tqdm progress bar (rate
-    and time left; a widget in notebooks) goes to ``stream``, stderr by default.
+    Each row also holds ``max_rel_error`` against double backward. Progress goes to ``stream``,
+    stderr by default: a tqdm bar (rate and time left) where tqdm is installed (``pip install
+    mixedad[bench]``), else a line per run.
 
     Example:
         >>> import io
@@ -279,8 +279,7 @@ def profile(model: str, depths: Sequence[int], *, width: int, batch: int, dtype:
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"profile: expected strategies from {sorted(STRATEGIES)}, got {unknown}.")
-    progress = tqdm(total=len(depths) * len(strategies), file=sys.stderr if stream is None else stream,
-                    desc=f"profile {model}", unit="run", leave=True)
+    progress = _progress(len(depths) * len(strategies), sys.stderr if stream is None else stream, f"profile {model}")
     rows = []
     for depth in depths:
         G, z, y, v = build(model, depth, width, batch, dtype, device)
@@ -303,6 +302,33 @@ def profile(model: str, depths: Sequence[int], *, width: int, batch: int, dtype:
         rows += point
     progress.close()
     return rows
+
+
+def _progress(total, stream, desc):
+    """A progress bar of ``total`` runs on ``stream``: tqdm's console bar where tqdm is installed (tqdm.auto would
+    want ipywidgets inside notebooks), else :class:`_Lines`."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Lines(total, stream, desc)
+    return tqdm(total=total, file=stream, desc=desc, unit="run", leave=True)
+
+
+class _Lines:
+    """The part of tqdm's interface :func:`profile` uses, written as one line per finished run."""
+
+    def __init__(self, total, stream, desc):
+        self.total, self.stream, self.desc, self.done, self.postfix = total, stream, desc, 0, ""
+
+    def set_postfix_str(self, text):
+        self.postfix = text
+
+    def update(self, n=1):
+        self.done += n
+        print(f"{self.desc}: {self.done}/{self.total} {self.postfix}", file=self.stream, flush=True)
+
+    def close(self):
+        pass
 
 
 def _ratios(point, results):

@@ -19,7 +19,7 @@ PLAN_DTYPES: Dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": tor
 class _OneLineParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line on stderr and exit code 2 (no usage dump, no traceback)."""
 
-    def error(self, message: str) -> "NoReturn":
+    def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
 

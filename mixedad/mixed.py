@@ -76,7 +76,7 @@ def mixed_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[t
             run eager from then on, with a warning). G must be an ``nn.Module`` that
             ``torch.fx`` can trace, made of layers and ops tangent programs have rules for
             (:mod:`mixedad._programs`); any other G runs eager, with a warning.
-            :func:`mixedad.compiled_tangents` lists what was compiled and the compile times.
+            :func:`mixedad.programs.compiled_tangents` lists what was compiled and the compile times.
 
     Returns:
         Tensors with the structure, shapes and dtypes of y. A leaf of y that the mixed

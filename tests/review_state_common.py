@@ -337,7 +337,7 @@ def naive_mg(p, **o):
 def mixedad_mg(p, **o):
     G, z, y, f = _opts(p, o)
     if o.get("per_op"):
-        with mixedad.per_op_pass():
+        with mixedad.programs.per_op_pass():
             return mixedad.mixed_grad(f, G, z, y, o.get("v", p.v))
     return mixedad.mixed_grad(f, G, z, y, o.get("v", p.v), compile=o.get("compile", False))
 

@@ -191,7 +191,7 @@ def test_a_float32_eval_dcgan_on_cuda_keeps_a_tangent_program_equal_to_the_per_o
         z, v = _randn(16, 64, seed=0).float(), _randn(16, 64, seed=1).float()
         with torch.no_grad():
             y = torch.randn_like(G(z))
-        with mixedad.per_op_pass():
+        with mixedad.programs.per_op_pass():
             per_op = mixedad.mixed_grad(cubic, G, z, y, v)
         outputs = [mixedad.mixed_grad(cubic, G, z, y, v) for _ in range(3)]  # the second checks, the third runs it
     finally:

@@ -19,12 +19,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mixedad"
 #: Modules whose tests live in a file not named after them.
 TESTED_IN = {
-    "mixedad/__init__.py": "tests/test_layout.py",
+    "mixedad/__init__.py": "tests/test_surface.py",
+    "mixedad/programs.py": "tests/test_surface.py",
     "mixedad/__main__.py": "tests/test_cli.py",
     "mixedad/demo.py": "tests/test_cli.py",
     "mixedad/_entry.py": "tests/test_contexts.py",
     "mixedad/mixed.py": "tests/test_mixed.py",
-    "mixedad/op_rules/__init__.py": "tests/op_rules/test_dispatch.py",
+    "mixedad/op_rules/__init__.py": "tests/test_layout.py",
     "mixedad/op_rules/_user.py": "tests/op_rules/test_register.py",
     "mixedad/benchmark.py": "tests/test_benchmarks.py",
     "mixedad/_hooks/__init__.py": "tests/test_layout.py",
@@ -61,6 +62,18 @@ def test_the_package_shows_its_layers():
     assert (PACKAGE / "_backend.py").exists()
     private_top = sorted(p.name for p in PACKAGE.glob("_*.py") if not p.name.startswith("__"))
     assert private_top == ["_backend.py", "_checks.py", "_entry.py"], private_top
+
+
+@pytest.mark.parametrize("face", ["mixedad/op_rules/__init__.py", "mixedad/programs.py"])
+def test_a_face_only_re_exports(face):
+    """A package's face holds its docstring, imports and ``__all__``: the code lives in the modules it names."""
+    tree = ast.parse((ROOT / face).read_text())
+    body = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
+    for node in body:
+        is_all = isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+        assert isinstance(node, (ast.Import, ast.ImportFrom)) or is_all, \
+            f"{face}:{node.lineno}: {type(node).__name__} in a face that only re-exports"
+    assert any(isinstance(node, ast.Assign) for node in body), f"{face}: no __all__"
 
 
 def _code_only(path):

@@ -51,7 +51,7 @@ def test_spot_check_passes_on_an_honest_generator_and_prints_a_report():
 
 def test_spot_check_catches_a_silently_wrong_formula():
     """PyTorch's known-wrong formula for cholesky_inverse, with mixedad's local rule switched off."""
-    from mixedad.op_rules import LOCAL, skipping
+    from mixedad.op_rules import Path, skipping
 
     def G(z):
         a = z @ z.mT + 4 * torch.eye(z.shape[-1], dtype=z.dtype)
@@ -60,7 +60,7 @@ def test_spot_check_catches_a_silently_wrong_formula():
     f = lambda y, g: ((y + g) ** 3).sum()  # noqa: E731
     gen = torch.Generator().manual_seed(0)
     z, y = (torch.randn(10, 3, 3, dtype=torch.float64, generator=gen) for _ in range(2))
-    with skipping(LOCAL), pytest.raises(AssertionError, match=r"spot_check\(f, G, z, y\): 2 of 10 latent codes.*MISMATCH"):
+    with skipping(Path.LOCAL), pytest.raises(AssertionError, match=r"spot_check\(f, G, z, y\): 2 of 10 latent codes.*MISMATCH"):
         spot_check(f, G, z, y, stream=io.StringIO())
     spot_check(f, G, z, y, stream=io.StringIO())  # with the local rule: exact
 

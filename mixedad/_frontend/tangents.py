@@ -54,7 +54,8 @@ from mixedad._hooks.functorch import in_functorch_transform
 from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.pytree import describe, differentiable, tree_flatten
 from mixedad._hooks.threads import watching_threads
-from mixedad.op_rules import REVERSE_MODE_INSIDE, SKIPPABLE, OpRules, skipped_paths, untrusted_under_transforms
+from mixedad.op_rules._dispatch import (REVERSE_MODE_INSIDE, SKIPPABLE, OpRules, skipped_paths,
+                                        untrusted_under_transforms)
 from mixedad.op_rules._custom_functions import FunctionsUnderTransforms, ReverseMode
 from mixedad.op_rules._double_vjp import double_vjp
 from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError

@@ -93,7 +93,7 @@ class CompiledTangent:
 
     Example:
         >>> import torch, mixedad
-        >>> entry = mixedad.CompiledTangent(inputs=[((4, 8), torch.float32)], tangents=1)
+        >>> entry = mixedad.programs.CompiledTangent(inputs=[((4, 8), torch.float32)], tangents=1)
         >>> entry.status, entry.compile_seconds
         ('eager', None)
     """
@@ -139,7 +139,7 @@ def compiled_tangents(G: nn.Module) -> List[CompiledTangent]:
     Example:
         >>> import torch, mixedad
         >>> G = torch.nn.Linear(3, 2)
-        >>> mixedad.compiled_tangents(G)
+        >>> mixedad.programs.compiled_tangents(G)
         []
     """
     return list(_CACHE.get(G, {}).values())
@@ -191,10 +191,10 @@ def per_op_pass() -> ContextManager[None]:
         >>> G = mixedad.zoo.mlp(2, 4)
         >>> z, y, v = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
         >>> f = lambda y, g: (y * g).sum()
-        >>> with mixedad.per_op_pass():
+        >>> with mixedad.programs.per_op_pass():
         ...     for _ in range(3):
         ...         _ = mixedad.mixed_grad(f, G, z, y, v)
-        >>> mixedad.compiled_tangents(G)  # nothing compiled, and no program written
+        >>> mixedad.programs.compiled_tangents(G)  # nothing compiled, and no program written
         []
     """
     return _flag("per_op")

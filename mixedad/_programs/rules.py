@@ -251,10 +251,6 @@ def _linear_module_without_weights(e):
     return e.same_op_on_tangent()
 
 
-def _named(rule, name):
-    return lambda e: rule(e, name)
-
-
 MODULES = {nn.Linear: _linear_module, nn.Identity: lambda e: e.only_first()}
 for _type in (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
     MODULES[_type] = _conv_module
@@ -336,10 +332,6 @@ def _binary(fn):
             return e.call(fn, e.y, ta, tb)
         return e.call(fn, e.y, e.arg(0, "input"), e.arg(1, "other"), ta, tb)
     return rule
-
-
-def _reduction(e):
-    return e.same_op_on_tangent()
 
 
 def _power(e):

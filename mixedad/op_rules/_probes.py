@@ -80,12 +80,6 @@ _lock = threading.Lock()
 _planned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def forget():
-    """Clear the remembered verdicts (for tests)."""
-    with _lock:
-        _verdicts.clear()
-
-
 def new_plan():
     """A memory plan starts: its meta run makes each probe a real first call would make, once."""
     with _lock:

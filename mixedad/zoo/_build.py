@@ -9,7 +9,7 @@ from torch import nn
 from torch.autograd import forward_ad
 
 from mixedad._hooks.function_apply import routing
-from mixedad.op_rules import ATTENTION, FROZEN, OpRules
+from mixedad.op_rules._dispatch import ATTENTION, FROZEN, OpRules
 from mixedad._frontend.tangents import FORWARD_PASS_LOCK
 from mixedad._hooks.attention_backends import differentiable_attention
 

@@ -184,7 +184,7 @@ def test_compile_never_bakes_a_host_side_draw_it_runs_eagerly_and_says_why():
             expected = mixedad.reference.double_backward_mixed_grad(f, G, z, y, v)
             assert after[0] == random.getstate() and np.array_equal(after[1], np.random.get_state()[1])
             assert_close(ours, expected, rtol=1e-10)
-    assert all(entry.status == "eager" for entry in mixedad.compiled_tangents(G))
+    assert all(entry.status == "eager" for entry in mixedad.programs.compiled_tangents(G))
 
 
 def test_a_random_state_holds_every_source_and_restores_them_all():

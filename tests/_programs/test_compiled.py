@@ -27,7 +27,7 @@ def test_every_zoo_generator_compiled_equals_eager_and_double_backward(name, cap
         warnings.simplefilter("always")
         first = mixedad.mixed_grad(f, G, z, y, v, compile=True)
         second = mixedad.mixed_grad(f, G, z, y, v, compile=True)
-    [entry] = mixedad.compiled_tangents(G)
+    [entry] = mixedad.programs.compiled_tangents(G)
     if name in UNSUPPORTED:
         assert entry.status == "eager" and UNSUPPORTED[name] in entry.reason
         assert any(UNSUPPORTED[name] in str(w.message) for w in caught)
@@ -52,12 +52,12 @@ def test_the_cache_compiles_once_per_key():
     z, y, v = _problem(G)
     for _ in range(3):
         mixedad.mixed_grad(f, G, z, y, v, compile=True)
-    assert len(mixedad.compiled_tangents(G)) == 1
+    assert len(mixedad.programs.compiled_tangents(G)) == 1
     z2, y2, v2 = _problem(G, batch=5)
     mixedad.mixed_grad(f, G, z2, y2, v2, compile=True)
     G.train()
     mixedad.mixed_grad(f, G, z, y, v, compile=True)
-    entries = mixedad.compiled_tangents(G)
+    entries = mixedad.programs.compiled_tangents(G)
     assert [e.inputs[0][0] for e in entries] == [(3, 8), (5, 8), (3, 8)]
     assert all(e.status == "compiled" for e in entries)
 
@@ -77,7 +77,7 @@ def test_a_compiler_that_drops_a_tangent_is_caught_and_eager_runs(monkeypatch):
         first = mixedad.mixed_grad(f, G, z, y, v, compile=True)
     second = mixedad.mixed_grad(f, G, z, y, v, compile=True)
     assert torch.equal(first, eager) and torch.equal(second, eager)
-    [entry] = mixedad.compiled_tangents(G)
+    [entry] = mixedad.programs.compiled_tangents(G)
     assert entry.status == "eager" and entry.difference == 1.0
 
 
@@ -123,8 +123,8 @@ def test_mixed_jacobian_compiles_the_batch():
     eager = mixedad.mixed_jacobian(f, G, z, y, chunk_size=4)
     out = mixedad.mixed_jacobian(f, G, z, y, chunk_size=4, compile=True)
     assert torch.allclose(out, eager, rtol=1e-10, atol=1e-12)
-    assert {e.tangents for e in mixedad.compiled_tangents(G)} == {4}
-    assert all(e.status == "compiled" for e in mixedad.compiled_tangents(G))
+    assert {e.tangents for e in mixedad.programs.compiled_tangents(G)} == {4}
+    assert all(e.status == "compiled" for e in mixedad.programs.compiled_tangents(G))
 
 
 def test_input_grad_compiles_its_backward():
@@ -136,7 +136,7 @@ def test_input_grad_compiles_its_backward():
         (mixedad.input_grad(f, G, z, yr, compile=compile) ** 2).sum().backward()
         grads.append(yr.grad)
     assert torch.allclose(grads[1], grads[0], rtol=1e-10) and torch.allclose(grads[2], grads[0], rtol=1e-10)
-    assert [e.status for e in mixedad.compiled_tangents(G)] == ["compiled"]
+    assert [e.status for e in mixedad.programs.compiled_tangents(G)] == ["compiled"]
 
 
 def test_bad_arguments_and_what_runs_eager():
@@ -217,7 +217,7 @@ def test_a_program_follows_what_g_holds_after_a_change(change):
     finally:
         GAIN = 1.0
     assert (out - reference).abs().max() <= 1e-9 * reference.abs().max()
-    assert len(mixedad.compiled_tangents(G)) == (1 if change == "weights" else 2)
+    assert len(mixedad.programs.compiled_tangents(G)) == (1 if change == "weights" else 2)
 
 
 class _Counter(nn.Module):
@@ -272,7 +272,7 @@ def test_a_tangent_that_is_zero_in_exact_arithmetic_is_no_compiler_bug():
     G[0].weight.data.fill_(0.1)
     y = torch.randn(5, 3, dtype=D)
     mixedad.mixed_grad(f, G, z, y, compile=True)
-    [entry] = mixedad.compiled_tangents(G)
+    [entry] = mixedad.programs.compiled_tangents(G)
     assert entry.status == "compiled", entry.reason
 
 
@@ -292,7 +292,7 @@ def test_keyword_inputs_unbatched_instance_norm_and_broadcast_tangents():
     G = Odd().to(D)
     z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D), batch=5)
     out = mixedad.mixed_grad(f, G, z, y, v, compile=True)
-    [entry] = mixedad.compiled_tangents(G)
+    [entry] = mixedad.programs.compiled_tangents(G)
     assert entry.status == "compiled", entry.reason
     reference = double_backward_mixed_grad(f, G, z, y, v)
     assert (out - reference).abs().max() <= 1e-9 * reference.abs().max()
@@ -311,7 +311,7 @@ def test_eval_dropout_functions_compile_and_method_draws_run_eager():
     z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D))
     G = Drops(False).to(D)
     mixedad.mixed_grad(f, G, z, y, v, compile=True)
-    assert mixedad.compiled_tangents(G)[0].status == "compiled"
+    assert mixedad.programs.compiled_tangents(G)[0].status == "compiled"
     G = Drops(True).to(D)
     with pytest.warns(RuntimeWarning, match="random"):
         mixedad.mixed_grad(f, G, z, y, v, compile=True)
@@ -350,7 +350,7 @@ def test_an_in_place_activation_on_a_view_runs_eager():
         mixedad.mixed_grad(f, G, z, y, v, compile=True)
     relu_after_a_layer = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8)).to(D)
     mixedad.mixed_grad(f, relu_after_a_layer, z, y, v, compile=True)
-    assert mixedad.compiled_tangents(relu_after_a_layer)[0].status == "compiled"
+    assert mixedad.programs.compiled_tangents(relu_after_a_layer)[0].status == "compiled"
 
 
 def test_shapes_read_as_ndim_and_numel_and_defaults_of_forward_are_fixed():
@@ -368,7 +368,7 @@ def test_shapes_read_as_ndim_and_numel_and_defaults_of_forward_are_fixed():
     G = Reads().to(D)
     z, y, v = _problem(mixedad.zoo.mlp(2, 8, dtype=D))
     out = mixedad.mixed_grad(f, G, z, y, v, compile=True)
-    assert mixedad.compiled_tangents(G)[0].status == "compiled"
+    assert mixedad.programs.compiled_tangents(G)[0].status == "compiled"
     assert torch.allclose(out, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-10)
 
 
@@ -381,7 +381,7 @@ def test_programs_per_g_are_capped_least_recently_used_first(monkeypatch):
     mixedad.mixed_grad(f, G, *problems[0], compile=True)  # batch 2 is now the most recently used
     with pytest.warns(RuntimeWarning, match="least recently used is dropped"):
         mixedad.mixed_grad(f, G, *problems[2], compile=True)
-    assert [e.inputs[0][0] for e in mixedad.compiled_tangents(G)] == [(2, 8), (4, 8)]
+    assert [e.inputs[0][0] for e in mixedad.programs.compiled_tangents(G)] == [(2, 8), (4, 8)]
 
 
 class _ClassScaled(nn.Module):
@@ -424,7 +424,7 @@ def test_what_a_key_identifies_cannot_change_behind_it(change):
         _ClassScaled.scale = 2.0
     tol = 1e-9 if change != "dtype" else 1e-4
     assert (out - reference).abs().max() <= tol * reference.abs().max()
-    assert all(e.status == "compiled" for e in mixedad.compiled_tangents(G))
+    assert all(e.status == "compiled" for e in mixedad.programs.compiled_tangents(G))
 
 
 def test_the_trace_leaves_no_constants_on_g_and_one_program_serves_every_call():
@@ -443,7 +443,7 @@ def test_the_trace_leaves_no_constants_on_g_and_one_program_serves_every_call():
     for _ in range(3):
         mixedad.mixed_grad(f, G, z, y, v, compile=True)
     assert set(vars(G)) == names
-    assert len(mixedad.compiled_tangents(G)) == 1
+    assert len(mixedad.programs.compiled_tangents(G)) == 1
 
 
 def test_threads_compiling_and_running_eager_at_once_get_the_right_numbers():

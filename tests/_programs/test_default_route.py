@@ -247,7 +247,7 @@ def test_the_program_peak_is_flat_in_depth_and_no_higher_than_the_per_op_pass():
             for mode in ("eval", "train") if model == "dcgan" else ("eval",):
                 G, z, y, v = build(model, depth, width, batch, torch.float64, "cpu")
                 G.train(mode == "train").requires_grad_(False)
-                with mixedad.per_op_pass():
+                with mixedad.programs.per_op_pass():
                     _, per_op = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
                 for _ in range(2):
                     mixedad.mixed_grad(objective, G, z, y, v)
@@ -263,11 +263,11 @@ def test_the_program_peak_is_flat_in_depth_and_no_higher_than_the_per_op_pass():
 def test_per_op_pass_keeps_programs_out_and_ends_with_its_block_even_on_error():
     G = mixedad.zoo.mlp(3, 8, dtype=D)
     z, y, v = _problem(G)
-    with mixedad.per_op_pass():
+    with mixedad.programs.per_op_pass():
         for _ in range(3):
             mixedad.mixed_grad(f, G, z, y, v)
     assert G not in compiled._EAGER
-    with pytest.raises(ZeroDivisionError), mixedad.per_op_pass():
+    with pytest.raises(ZeroDivisionError), mixedad.programs.per_op_pass():
         1 / 0
     for _ in range(2):  # outside, a first call and a second that writes and checks the program
         mixedad.mixed_grad(f, G, z, y, v)
@@ -404,7 +404,7 @@ def test_a_float32_chain_computes_its_primal_as_a_plain_forward_within_the_per_o
         G, z, y, v = build("dcgan", 2, 8, 4, torch.float32, "cpu")
         G.train(mode == "train").requires_grad_(False)
         twin = copy.deepcopy(G).double()
-        with mixedad.per_op_pass():
+        with mixedad.programs.per_op_pass():
             _, per_op = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
         for _ in range(2):
             mixedad.mixed_grad(objective, G, z, y, v)

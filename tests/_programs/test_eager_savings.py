@@ -141,7 +141,7 @@ def test_the_savings_lower_the_programs_peak_at_the_benchmarks_size_and_keep_it_
     for depth in (0, 4):
         G, z, y, v = build("dcgan", depth, 32, 32, torch.float32, "cpu")
         G.eval().requires_grad_(False)
-        with mixedad.per_op_pass():
+        with mixedad.programs.per_op_pass():
             _, per_op = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
         for _ in range(2):
             mixedad.mixed_grad(objective, G, z, y, v)

@@ -173,7 +173,7 @@ def test_peak_grows_at_most_linearly_in_sequence_length(make):
 
 def test_math_path_would_be_quadratic():
     """The comparison is meaningful: without the rule the same G's peak grows about 16x."""
-    from mixedad.op_rules import ATTENTION
+    from mixedad.op_rules._dispatch import ATTENTION
 
     G = mixedad.zoo.attention_stack(32, nhead=2)
     small, large = peak_at_length(G, 256, ATTENTION), peak_at_length(G, 1024, ATTENTION)

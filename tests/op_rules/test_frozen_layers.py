@@ -185,7 +185,7 @@ def test_benchmark_strategy_without_onednn_takes_the_blas_and_agrees(onednn_spy)
     real, calls = onednn_spy
     G = zoo.mlp(3, 16)
     z, y, v = torch.randn(4, 16), torch.randn(4, 16), torch.randn(4, 16)
-    with mixedad.per_op_pass():  # the per-op pass's calls, one per layer (a second call would check G's program too)
+    with mixedad.programs.per_op_pass():  # the per-op pass's calls, one per layer (a second call would check G's program too)
         without = benchmark.STRATEGIES["mixed_grad_no_onednn"](benchmark.objective, G, z, y, v)
         assert calls == []
         with_onednn = benchmark.STRATEGIES["mixed_grad"](benchmark.objective, G, z, y, v)
@@ -526,7 +526,7 @@ def test_the_fold_leaves_the_peak_exactly_as_without_it(depth, width, batch, mon
     folds = []
     real = _frozen_layers._folded_into
     monkeypatch.setattr(_frozen_layers, "_folded_into", lambda *a: folds.append(real(*a)) or folds[-1])
-    with mixedad.per_op_pass():  # the per-op pass's fold (tangent programs fold on their own: tests/_programs)
+    with mixedad.programs.per_op_pass():  # the per-op pass's fold (tangent programs fold on their own: tests/_programs)
         _, with_fold = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
         monkeypatch.setattr(_frozen_layers, "_fold", lambda op: None)
         _, without = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
@@ -548,7 +548,7 @@ def test_train_mode_batch_norm_in_reduced_precision_takes_the_kernels_and_never_
     G = nn.Sequential(nn.BatchNorm1d(32)).to(dtype).requires_grad_(False)
     z, y, v = (torch.randn(16, 32) * size).to(dtype), torch.randn(16, 32).to(dtype), torch.randn(16, 32).to(dtype)
     f = lambda y, g: (y * g).sum()  # noqa: E731
-    with mixedad.per_op_pass():
+    with mixedad.programs.per_op_pass():
         ours = mixedad.mixed_grad(f, copy.deepcopy(G), z, y, v)
     reference = double_backward_mixed_grad(f, copy.deepcopy(G).double(), z.double(), y.double(), v.double())
     assert torch.isfinite(ours).all()
