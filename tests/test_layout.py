@@ -21,6 +21,7 @@ PACKAGE = ROOT / "mixedad"
 TESTED_IN = {
     "mixedad/__init__.py": "tests/test_surface.py",
     "mixedad/programs.py": "tests/test_surface.py",
+    "mixedad/_planner/storage.py": "tests/test_profiling.py",
     "mixedad/__main__.py": "tests/test_cli.py",
     "mixedad/demo.py": "tests/test_cli.py",
     "mixedad/_entry.py": "tests/test_contexts.py",

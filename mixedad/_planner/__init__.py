@@ -1,5 +1,10 @@
-r"""Memory plans on meta tensors: the pieces behind :func:`mixedad.profiling.plan`.
+r"""Memory: exact storage counts and plans on meta tensors, behind :mod:`mixedad.profiling` (their public face).
 
+- :mod:`mixedad._planner.storage`: :class:`~mixedad.profiling.StorageCounter`, the exact count of
+  live storage bytes that CPU peaks and plans both take.
+- :mod:`mixedad._planner.plan`: :func:`~mixedad.profiling.plan` and :class:`~mixedad.profiling.Plan`,
+  each method's peak from one run on meta tensors, and the generators planned at real sizes
+  (:func:`~mixedad.profiling.plan_model`).
 - :mod:`mixedad._planner.meta`: meta copies of G, z and y (G's parameters and buffers swapped for
   meta tensors of the same sizes for the call; G itself untouched), and :class:`PlanError` for
   what cannot run on meta.
