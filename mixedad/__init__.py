@@ -12,7 +12,8 @@ by the benchmark functions that draw bars and plots.
 import warnings as _warnings
 
 from mixedad import benchmark, distributed, op_rules, profiling, programs, reference, testing, zoo
-from mixedad._frontend.versions import StateChangedError
+from mixedad._ground.versions import StateChangedError
+from mixedad._version import __version__
 from mixedad.cached import cached_backward
 from mixedad.curvature import CurvatureError, ZCurvature, z_curvature
 from mixedad.graph import GraphReport, graph_report
@@ -22,7 +23,6 @@ from mixedad.mixed import mixed_grad, mixed_jacobian
 from mixedad.penalties import EagerPenalties
 from mixedad.report import TangentReport, tangent_report
 
-__version__ = "0.1.0"
 
 __all__ = [
     "CurvatureError",

@@ -17,10 +17,10 @@ import torch
 from torch.func import grad, jvp
 
 from mixedad import _checks
-from mixedad._frontend.grad_mode import as_in_a_plain_call
-from mixedad._frontend.inputs import writable
-from mixedad._frontend import watch
-from mixedad._frontend.random_state import undone
+from mixedad._ground.grad_mode import as_in_a_plain_call
+from mixedad._ground.inputs import writable
+from mixedad._ground import watch
+from mixedad._ground.random_state import undone
 from mixedad._entry import frozen
 from mixedad._hooks.function_apply import routing
 from mixedad.op_rules._custom_functions import CheckpointsRunDirectly
@@ -182,7 +182,7 @@ def f_cotangent(call, f, y_leaves, y_spec, *, create_graph=False):
 def gradient_chunk(call, f, G, z_chunks, y_leaves, y_spec, *, watch_G=True):
     """∂f(y, G(*z_chunks))/∂z_chunks by one reverse pass through G, with y treated as constant.
 
-    G and f run under the watch of :mod:`mixedad._frontend.watch` where observers are registered (G only with
+    G and f run under the watch of :mod:`mixedad._ground.watch` where observers are registered (G only with
     ``watch_G``: a G of torch.nn's own layers draws from no generator and reads nothing the caller must see)."""
     # The user's kernels (fused attention has a first-order backward), with attention dropout on
     # the math backend, which the backward's replay uses, and so masks whose rows see only keys

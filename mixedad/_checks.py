@@ -130,9 +130,12 @@ def flatten_v(call, z, zs, v):
     return tuple(v)
 
 
-def check_strategy(call, strategy):
-    from mixedad._frontend.tangents import STRATEGIES
+#: The strategies a call takes: the forward pass with the whole-G fallback where it cannot go on, the forward pass
+#: alone, or the whole-G fallback (:mod:`mixedad._frontend.tangents`).
+STRATEGIES = ("auto", "forward", "reverse")
 
+
+def check_strategy(call, strategy):
     if strategy not in STRATEGIES:
         raise ValueError(f"{call}: expected strategy in {STRATEGIES}, got {strategy!r}.")
     return strategy

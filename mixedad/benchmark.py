@@ -41,6 +41,7 @@ import torch
 from torch.autograd import forward_ad
 
 from mixedad import zoo
+from mixedad._version import __version__
 from mixedad.mixed import mixed_grad
 from mixedad.profiling import cpu_peak_memory, cuda_peak_memory, median_time
 from mixedad.reference import double_backward_mixed_grad
@@ -422,8 +423,6 @@ def write(rows: Sequence[Mapping[str, Any]], out_dir: Union[str, os.PathLike[str
     """
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    from mixedad import __version__
-
     meta = {"torch": torch.__version__, "mixedad": __version__, "threads": torch.get_num_threads()}
     paths = [out_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")]
     paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -3,9 +3,9 @@ from typing import Callable, Sequence, Union
 import torch
 
 from mixedad._checks import check_callable, check_chunk_size
-from mixedad._frontend import watch
-from mixedad._frontend.state import Snapshot
-from mixedad._frontend.versions import Versions
+from mixedad._ground import watch
+from mixedad._ground.state import Snapshot
+from mixedad._ground.versions import Versions
 
 __all__ = ["cached_backward"]
 
@@ -35,7 +35,7 @@ def cached_backward(f: Callable[[torch.Tensor], torch.Tensor], inputs: Union[tor
     BatchNorm in train mode normalises with the same batch statistics, and spectral norm's
     ``u``/``v`` and EMA buffers hold the values pass 1 used. Afterwards the running statistics, ``num_batches_tracked``
     and the RNG are as pass 1, that is the naive code, left them: pass 2's updates are undone
-    (see :mod:`mixedad._frontend.state`; f may be any callable, its modules are found as they run).
+    (see :mod:`mixedad._ground.state`; f may be any callable, its modules are found as they run).
     What pass 2 reads again without a copy (f's parameters, eval-mode buffers too large to copy,
     the inputs) is checked against its version after pass 1 (``tensor._version``): g changing
     one in place, or replacing a parameter, raises :class:`mixedad.StateChangedError`.

@@ -21,10 +21,10 @@ from mixedad._curvature.cg import CurvatureError, conjugate_gradient
 from mixedad._curvature.segments import Chain, f_derivatives, push, split
 from mixedad._entry import eager, frozen, public_call
 from mixedad._backend import evaluate_f
-from mixedad._frontend import watch
-from mixedad._frontend.inputs import on_inputs, writable
-from mixedad._frontend.state import Snapshot
-from mixedad._frontend.versions import Versions, input_labels
+from mixedad._ground import watch
+from mixedad._ground.inputs import on_inputs, writable
+from mixedad._ground.state import Snapshot
+from mixedad._ground.versions import Versions, input_labels
 from mixedad._hooks.attention_backends import differentiable_attention
 from mixedad._hooks.pytree import differentiable, tree_flatten, tree_unflatten
 

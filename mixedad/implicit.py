@@ -17,9 +17,9 @@ import torch
 
 from mixedad import _checks
 from mixedad._entry import eager, public_call, user_stacklevel
-from mixedad._frontend.state import Snapshot
-from mixedad._frontend.reach import modules_reached
-from mixedad._frontend.versions import Versions, input_labels
+from mixedad._ground.state import Snapshot
+from mixedad._ground.reach import modules_reached
+from mixedad._ground.versions import Versions, input_labels
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad.curvature import ZCurvature, _check_settings
 from mixedad.mixed import mixed_grad

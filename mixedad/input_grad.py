@@ -6,10 +6,10 @@ from torch.autograd.function import once_differentiable
 from mixedad import _checks
 from mixedad._backend import check_sum_over_codes, contract_f_with_tangent, f_cotangent, gradient_chunk
 from mixedad._entry import public_call
-from mixedad._frontend.state import Snapshot
-from mixedad._frontend.versions import Versions, input_labels
+from mixedad._ground.state import Snapshot
+from mixedad._ground.versions import Versions, input_labels
 from mixedad._entry import eager
-from mixedad._frontend.nesting import check_not_nested
+from mixedad._ground.nesting import check_not_nested
 from mixedad._frontend.tangents import push_tangent
 
 __all__ = ["input_grad"]
@@ -58,7 +58,7 @@ def input_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[t
     (BatchNorm statistics, spectral norm's ``u``/``v``, EMAs) and the small buffers of eval-mode
     modules (step counters), recorded before every chunk; that record costs one copy of those
     buffers per chunk. Buffers are updated once per chunk by the
-    forward, as the naive code updates them, and end as it leaves them (see :mod:`mixedad._frontend.state`).
+    forward, as the naive code updates them, and end as it leaves them (see :mod:`mixedad._ground.state`).
     With ``chunk_size``, f must be a sum over latent codes; this is checked on the first two chunks.
     What the backward reads again without a copy (G's parameters, eval-mode buffers too large to
     copy, z and y's leaves) is checked against its version at this call (``tensor._version``, as

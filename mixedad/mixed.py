@@ -9,9 +9,9 @@ from mixedad._entry import public_call
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad.op_rules import UnderTransformError
 from mixedad._backend import contract_f_with_tangent, f_cotangent
-from mixedad._frontend.state import Snapshot
+from mixedad._ground.state import Snapshot
 from mixedad._entry import eager, warn_once
-from mixedad._frontend.nesting import check_not_nested
+from mixedad._ground.nesting import check_not_nested
 from mixedad._frontend.batched import push_tangents, push_under_vmap
 from mixedad._frontend.tangents import push_tangent
 from mixedad._hooks.functorch import in_functorch_transform
@@ -51,7 +51,7 @@ def mixed_grad(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Union[t
             output.
         G: callable (an ``nn.Module`` or a function) mapping z to a tensor or a pytree of
             tensors. It is treated as frozen: its parameters get no gradient. In train mode,
-            dropout and BatchNorm behave as in one plain forward pass (:mod:`mixedad._frontend.state`).
+            dropout and BatchNorm behave as in one plain forward pass (:mod:`mixedad._ground.state`).
         z: floating-point tensor, the input of G, or a tuple of them that G takes positionally
             (``G(*z)``). Batch dimensions may sit anywhere; z is treated as one point. z is a
             constant here: the result carries no graph to z.

@@ -12,7 +12,7 @@ from mixedad import _checks
 from mixedad._entry import public_call
 from mixedad.op_rules import PATHS, PathRecorder
 from mixedad.op_rules._dispatch import WHOLE_G
-from mixedad._frontend.state import Snapshot
+from mixedad._ground.state import Snapshot
 from mixedad._entry import eager
 from mixedad._frontend.batched import push_under_vmap
 from mixedad._frontend.tangents import push_tangent

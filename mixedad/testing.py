@@ -148,8 +148,8 @@ def check_generator(G: Callable[..., Any], z: torch.Tensor, *, strategy: str = "
     from mixedad._checks import flatten_z
     from mixedad._hooks.function_apply import routing
     from mixedad.op_rules._custom_functions import CheckpointsRunDirectly
-    from mixedad._frontend.inputs import writable
-    from mixedad._frontend.state import Snapshot
+    from mixedad._ground.inputs import writable
+    from mixedad._ground.state import Snapshot
     from mixedad._entry import eager, frozen
     from mixedad._frontend.tangents import push_tangent
 
@@ -237,7 +237,7 @@ def spot_check(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: torch.T
     from mixedad._hooks.pytree import tree_map
     from mixedad.mixed import mixed_grad
     from mixedad.reference import double_backward_mixed_grad
-    from mixedad._frontend.state import Snapshot
+    from mixedad._ground.state import Snapshot
     from mixedad._entry import eager
 
     call = "spot_check(f, G, z, y)"

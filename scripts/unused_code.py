@@ -1,15 +1,20 @@
-"""Unused code in mixedad: vulture over the package, its tests, benchmarks and scripts, reporting the package's.
+"""Unused code in mixedad: vulture over the package, its tests, benchmarks and scripts, reporting the package's;
+and pyflakes over the package (unused imports and variables, undefined names, ``__all__`` naming what is not there).
 
 A name counts as used where any of those uses it (a test of an internal helper uses it). What
 vulture cannot see is listed in ``USED_BY_TORCH_OR_REGISTRATION`` below, each with the reason:
 rules registered by decorator, attributes torch reads, parameters whose names a signature fixes.
-Exits 1 and prints the findings if there are any (``make unused``; CI runs it).
+A pyflakes finding on a line marked ``noqa`` (an import for its side effect: rules that register
+themselves) is left out. Exits 1 and prints the findings if there are any (``make unused``; CI
+runs it).
 
     python scripts/unused_code.py
 """
 import pathlib
 import sys
 
+import pyflakes.api
+import pyflakes.reporter
 import vulture
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,8 +50,36 @@ def findings():
     return found
 
 
+class _Collect(pyflakes.reporter.Reporter):
+    """pyflakes' findings as lines, those on ``noqa`` lines left out."""
+
+    def __init__(self):
+        super().__init__(None, None)
+        self.lines = []
+
+    def flake(self, message):
+        path = pathlib.Path(message.filename).resolve()
+        source = path.read_text().splitlines()
+        if "noqa" not in source[message.lineno - 1]:
+            self.lines.append(f"{path.relative_to(ROOT).as_posix()}:{message.lineno}: "
+                              f"{message.message % message.message_args}")
+
+    def syntaxError(self, filename, msg, lineno, offset, text):
+        self.lines.append(f"{filename}:{lineno}: {msg}")
+
+    def unexpectedError(self, filename, msg):
+        self.lines.append(f"{filename}: {msg}")
+
+
+def flakes():
+    """pyflakes' findings in ``mixedad/``."""
+    collect = _Collect()
+    pyflakes.api.checkRecursive([str(ROOT / "mixedad")], collect)
+    return collect.lines
+
+
 def main():
-    found = findings()
+    found = findings() + flakes()
     for line in found:
         print(line)
     print(f"unused code in mixedad/: {len(found)} finding(s)", file=sys.stderr)

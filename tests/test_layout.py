@@ -1,8 +1,11 @@
-"""The house: layers as folders, one test file per module, torch's internals reached only through _hooks.
+"""The house: layers as folders, one test file per module, torch's internals reached only through _hooks, and
+imports that run down the layers only, with no cycle.
 
-Layers, bottom up: ``mixedad/_hooks/`` (every reach into torch's private API), ``mixedad/op_rules/``
-(the rule table and one module per rule family), ``mixedad/_frontend/`` (the tangent pass),
-``mixedad/_backend.py`` (reverse mode), and the public modules.
+Layers, bottom up (:data:`LAYERS`): ``mixedad/_hooks/`` (every reach into torch's private API), the ground floor
+(``mixedad/_ground/``: grad mode, state and its replay, nesting, errors, the pass lock; with the checks of
+arguments and the public calls' wrappers), ``mixedad/op_rules/`` (the rule table and one module per rule family),
+``mixedad/_programs/`` (tangent programs), ``mixedad/_frontend/`` (the tangent pass), ``mixedad/_backend.py``
+(reverse mode), the public calls, the planner, and the tools and the package's face.
 """
 import ast
 import io
@@ -21,6 +24,7 @@ PACKAGE = ROOT / "mixedad"
 TESTED_IN = {
     "mixedad/__init__.py": "tests/test_surface.py",
     "mixedad/programs.py": "tests/test_surface.py",
+    "mixedad/_version.py": "tests/test_surface.py",
     "mixedad/_planner/storage.py": "tests/test_profiling.py",
     "mixedad/__main__.py": "tests/test_cli.py",
     "mixedad/demo.py": "tests/test_cli.py",
@@ -31,6 +35,7 @@ TESTED_IN = {
     "mixedad/benchmark.py": "tests/test_benchmarks.py",
     "mixedad/_hooks/__init__.py": "tests/test_layout.py",
     "mixedad/_frontend/__init__.py": "tests/test_layout.py",
+    "mixedad/_ground/__init__.py": "tests/test_layout.py",
     "mixedad/_curvature/__init__.py": "tests/test_layout.py",
     "mixedad/_planner/__init__.py": "tests/test_layout.py",
     "mixedad/_programs/__init__.py": "tests/test_layout.py",
@@ -57,12 +62,128 @@ def test_every_module_has_its_test_file(module):
     assert (ROOT / _expected_test(module)).exists(), f"{module}: expected its tests in {_expected_test(module)}"
 
 
+#: The layers, bottom up, by the first name under ``mixedad`` (a folder or a module). A module imports only from its
+#: own layer and those below, and no two modules import each other, directly or round a cycle. Imports inside
+#: functions count: they are imports all the same.
+LAYERS = (
+    ("_hooks",),
+    ("_ground", "_entry", "_checks", "_version"),
+    ("op_rules",),
+    ("_programs",),
+    ("_frontend",),
+    ("_backend",),
+    ("_curvature", "mixed", "input_grad", "reference", "curvature", "implicit", "cached", "graph", "penalties",
+     "report", "distributed", "testing", "zoo", "programs"),
+    ("_planner", "profiling"),
+    ("benchmark", "demo", "cli", "__main__", "__init__"),
+)
+
+
+def _module_name(path):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def _import_graph():
+    """module -> {module it imports: line}, over every import in mixedad (top level and inside functions)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+    def resolve(name):
+        while name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name if name in modules else None
+
+    graph = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, {})
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            for target in targets:
+                found = resolve(target) if target.startswith("mixedad") else None
+                if found is not None and found != name:
+                    edges.setdefault(found, node.lineno)
+    return graph
+
+
+def _layer_of(module):
+    parts = module.split(".")
+    first = parts[1] if len(parts) > 1 else "__init__"
+    for rank, layer in enumerate(LAYERS):
+        if first in layer:
+            return rank
+    raise AssertionError(f"{module}: not in any layer of LAYERS; add {first!r} where it belongs")
+
+
+def _upward(graph):
+    return [f"{a} (layer {_layer_of(a)}) imports {b} (layer {_layer_of(b)}), line {line}"
+            for a, edges in sorted(graph.items()) for b, line in sorted(edges.items()) if _layer_of(b) > _layer_of(a)]
+
+
+def _cycles(graph):
+    """The import cycles of ``graph``: its strongly connected components of more than one module (Tarjan)."""
+    cycles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_every_module_belongs_to_a_layer_and_imports_run_down_the_layers():
+    upward = _upward(_import_graph())
+    assert not upward, "imports up the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles():
+    assert not _cycles(_import_graph())
+
+
+def test_the_layer_checks_find_an_upward_import_and_a_cycle():
+    """The checks above can fail: a rule importing the pass goes up, and modules importing each other round a
+    loop are a cycle (the one between the pass and the programs that the ground floor broke)."""
+    assert _upward({"mixedad.op_rules._dispatch": {"mixedad._frontend.tangents": 7}}) == [
+        "mixedad.op_rules._dispatch (layer 2) imports mixedad._frontend.tangents (layer 4), line 7"]
+    assert not _upward({"mixedad._frontend.tangents": {"mixedad.op_rules._dispatch": 7}})
+    loop = {"mixedad._frontend.tangents": {"mixedad._programs.compiled": 1},
+            "mixedad._programs.compiled": {"mixedad._programs.trace": 1},
+            "mixedad._programs.trace": {"mixedad._frontend.tangents": 1}, "mixedad._hooks.dispatch": {}}
+    assert _cycles(loop) == [["mixedad._frontend.tangents", "mixedad._programs.compiled", "mixedad._programs.trace"]]
+    graph = _import_graph()  # the real graph holds both ends of each layer
+    assert "mixedad._hooks.dual_level" in graph["mixedad.op_rules._dispatch"]
+    assert _layer_of("mixedad") == len(LAYERS) - 1 and _layer_of("mixedad._hooks.dispatch") == 0
+
+
 def test_the_package_shows_its_layers():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("__")}
-    assert {"_hooks", "op_rules", "_frontend", "_curvature", "_programs", "zoo"} <= folders
+    assert {"_hooks", "_ground", "op_rules", "_frontend", "_curvature", "_programs", "_planner", "zoo"} <= folders
     assert (PACKAGE / "_backend.py").exists()
     private_top = sorted(p.name for p in PACKAGE.glob("_*.py") if not p.name.startswith("__"))
-    assert private_top == ["_backend.py", "_checks.py", "_entry.py"], private_top
+    assert private_top == ["_backend.py", "_checks.py", "_entry.py", "_version.py"], private_top
 
 
 @pytest.mark.parametrize("face", ["mixedad/op_rules/__init__.py", "mixedad/programs.py"])

@@ -25,11 +25,11 @@ at a time, flat within each. With :math:`\sqrt{d}` segments of a depth-d G, both
 :math:`\sqrt{d}`.
 
 Random numbers and buffers: each segment is recomputed from the random state and the buffers it
-first ran from (a :class:`~mixedad._frontend.state.Snapshot` of the modules it runs), so dropout
+first ran from (a :class:`~mixedad._ground.state.Snapshot` of the modules it runs), so dropout
 draws the same masks, and a train-mode spectral norm, whose forward steps its ``u`` and ``v``,
 gives the same weight, in every sweep. A slice of G whose modules still hold, when it first runs, what
 the snapshot of all of G recorded (eval mode, nothing changed by an earlier slice) shares that
-snapshot's records instead of copying its buffers again (:meth:`~mixedad._frontend.state.Snapshot.part`).
+snapshot's records instead of copying its buffers again (:meth:`~mixedad._ground.state.Snapshot.part`).
 """
 import math
 from collections import Counter
@@ -41,15 +41,15 @@ from torch import nn
 from mixedad._entry import frozen
 from mixedad._frontend.batched import push_tangents
 from mixedad._backend import evaluate_f
-from mixedad._frontend.inputs import on_inputs, writable
-from mixedad._frontend.state import Snapshot
+from mixedad._ground.inputs import on_inputs, writable
+from mixedad._ground.state import Snapshot
 from mixedad._frontend.tangents import push_tangent
 from mixedad._hooks.attention_backends import differentiable_attention
 from mixedad._hooks.dual_level import unpack
 from mixedad._hooks.pytree import describe, differentiable, graph_inputs, tree_flatten, tree_unflatten
 from mixedad import _checks
 from mixedad.op_rules._attention import MathBackendWhereFusedDiffers
-from mixedad.op_rules._errors import UnderTransformError
+from mixedad._ground.errors import UnderTransformError
 
 __all__ = ["split", "Chain", "f_derivatives", "push"]
 
@@ -195,7 +195,7 @@ class Chain:
         zs: the point, a tuple of tensors (G's positional inputs).
         whole: G itself when the segments are slices of it (an ``nn.Sequential``), or None.
         snapshot: None, or the caller's snapshot of G taken before the chain runs, whose records a segment shares
-            where it can (:meth:`~mixedad._frontend.state.Snapshot.part`).
+            where it can (:meth:`~mixedad._ground.state.Snapshot.part`).
     """
 
     def __init__(self, call, segments, zs, whole=None, snapshot=None):

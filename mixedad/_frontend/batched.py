@@ -30,18 +30,19 @@ outside mixedad's (G closing over a tensor that a user's vmap batches).
 import functools
 import torch
 
-from mixedad._frontend.nesting import one_pass
+from mixedad._ground.nesting import one_pass
 from mixedad._programs.compiled import push_compiled
-from mixedad._frontend import random_state
-from mixedad._frontend.state import Snapshot, torch_layers_only
-from mixedad._frontend.inputs import PassInputs
-from mixedad._frontend.tangents import _HOOKED, _THREADS, MAX_RESTARTS, _tensors_only, forward_pass
+from mixedad._ground import random_state
+from mixedad._ground.state import Snapshot, torch_layers_only
+from mixedad._ground.inputs import PassInputs
+from mixedad._frontend.tangents import _HOOKED, _THREADS, MAX_RESTARTS, _tensors_only
+from mixedad._ground.forward_pass import forward_pass
 from mixedad._hooks.function_apply import routing
 from mixedad._hooks.functorch import NotLowerable, TangentBatch, batched_at, tangents_of_innermost_vmap
 from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.threads import watching_threads
 from mixedad.op_rules import OpRules, PathRecorder
-from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
+from mixedad._ground.errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
 
 __all__ = ["push_tangents", "push_under_vmap"]
 

@@ -4,7 +4,7 @@ The front end computes :math:`g = G(z)` and :math:`\dot g = J_G(z)\, v` together
 to each op of G is decided in one place, :mod:`mixedad.op_rules`; this module runs the pass:
 
 - **forward** (the default): forward-mode AD, G running with grad enabled as in a plain call and
-  grad mode read at each op (:mod:`mixedad._frontend.grad_mode`: what G computes with grad off is a
+  grad mode read at each op (:mod:`mixedad._ground.grad_mode`: what G computes with grad off is a
   constant; ops run with grad on record no reverse graph). Outside torch.func
   transforms it uses ``torch.autograd.forward_ad`` (dual tensors), which also runs BatchNorm in
   train mode (its running statistics are updated once and never become dual), with
@@ -31,9 +31,7 @@ A ``torch.compile``'d G is replaced by its original eager module or function, wi
 compiled graphs do not carry forward-mode tangents reliably, and compiled dropout draws
 different random numbers than eager replays would.
 """
-import contextlib
 import functools
-import threading
 
 import torch
 from torch import nn
@@ -41,14 +39,14 @@ from torch.autograd import forward_ad
 from torch.func import jvp, vjp
 
 from mixedad._entry import frozen, warn_once
-from mixedad._frontend.grad_mode import ReadGradMode
-from mixedad._frontend.nesting import one_pass
-from mixedad._frontend import watch
-from mixedad._frontend.inputs import PassInputs, writable
-from mixedad._frontend.state import Snapshot
+from mixedad._ground.forward_pass import forward_pass
+from mixedad._ground.grad_mode import ReadGradMode
+from mixedad._ground.nesting import one_pass
+from mixedad._ground.inputs import PassInputs, writable
+from mixedad._ground.state import Snapshot
 from mixedad._programs.compiled import push_compiled, push_program
 from mixedad._hooks.attention_backends import differentiable_attention
-from mixedad._hooks.dual_level import dual_level_open, raised_entering_a_dual_level
+from mixedad._hooks.dual_level import raised_entering_a_dual_level
 from mixedad._hooks.function_apply import routing
 from mixedad._hooks.functorch import in_functorch_transform
 from mixedad._hooks.module_hooks import backward_hooks
@@ -58,9 +56,7 @@ from mixedad.op_rules._dispatch import (REVERSE_MODE_INSIDE, SKIPPABLE, OpRules,
                                         untrusted_under_transforms)
 from mixedad.op_rules._custom_functions import FunctionsUnderTransforms, ReverseMode
 from mixedad.op_rules._double_vjp import double_vjp
-from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
-
-STRATEGIES = ("auto", "forward", "reverse")
+from mixedad._ground.errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
 
 def _check_outputs(call, g_leaves, out=None):
     """G's output must hold a floating-point tensor; its other leaves (indices, None) reach f as constants."""
@@ -103,9 +99,9 @@ def _forward(call, G, zs, vs, rules, *, inputs=None):
     """Forward-mode pass. Returns (primal leaves, tangent leaves or None where lost, spec).
 
     G runs with grad enabled, as in a plain call; grad mode is read at each op
-    (:mod:`mixedad._frontend.grad_mode`). ``rules`` is the :class:`mixedad.op_rules.OpRules` dispatch,
+    (:mod:`mixedad._ground.grad_mode`). ``rules`` is the :class:`mixedad.op_rules.OpRules` dispatch,
     which steps aside inside torch.func transforms; None for PyTorch's formulas only. ``inputs``: the
-    call's :class:`~mixedad._frontend.inputs.PassInputs`, kept across restarts (new ones by default).
+    call's :class:`~mixedad._ground.inputs.PassInputs`, kept across restarts (new ones by default).
     """
     if inputs is None:
         inputs = PassInputs(zs, vs)
@@ -148,31 +144,6 @@ def _forward(call, G, zs, vs, rules, *, inputs=None):
     return [u[0] for u in unpacked], [u[1] for u in unpacked], spec
 
 
-@contextlib.contextmanager
-def forward_pass(rules):
-    """What every forward pass of mixedad runs in: its turn at PyTorch's one forward-AD level,
-    grad enabled, attention on a differentiable backend where the attention rule is off, and the
-    generators G's ops receive noted by the dispatch itself (the watch of :mod:`mixedad._frontend.watch` off).
-
-    Raises NeedsWholeG inside the caller's own ``forward_ad.dual_level()``.
-    """
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(FORWARD_PASS_LOCK)
-        stack.enter_context(watch.off())
-        if dual_level_open():
-            # PyTorch has one forward-AD level: inside the caller's own dual_level() neither dual
-            # tensors nor torch.func.jvp can open another.
-            raise NeedsWholeG("called inside an open forward_ad.dual_level(), and PyTorch cannot nest "
-                              "forward-mode AD")
-        stack.enter_context(torch.enable_grad())
-        # With the attention rule, SDPA keeps the user's fused kernel (and torch leaves the
-        # nn.MultiheadAttention fast path while a torch-function mode is active); without it,
-        # forward AD needs the math backend.
-        if not rules.attention:
-            stack.enter_context(differentiable_attention())
-        yield
-
-
 _THREADS = ("G starts threads while it runs, and mixedad's dispatch (grad mode, per-op rules) cannot "
             "follow it into them")
 
@@ -184,7 +155,7 @@ def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False, copies=True):
     (``at_cotangent``, or a gradient hook or a custom Function found on the way): then at
     double backward's own cotangent ``cotangent(g_leaves)``, :math:`u^* = \nabla_g f(y, g)`,
     which reproduces exactly what double backward computes. Memory grows with G's depth. G gets
-    copies of z that it may write (:func:`~mixedad._frontend.inputs.writable`), unless ``copies``
+    copies of z that it may write (:func:`~mixedad._ground.inputs.writable`), unless ``copies``
     is False: after a forward pass that saw G write no input, G takes z itself (a copy G's first op
     saves would add z's size to the graph).
     """
@@ -267,7 +238,7 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
             returning :math:`\nabla_g f(y, g)` per leaf, for G whose backward is not linear.
         compile: run G's compiled tangent program (:mod:`mixedad._programs.compiled`), checked
             against this eager pass on its first call, and falling back to it where none runs.
-        snapshot: None, or a :class:`~mixedad._frontend.state.Snapshot` that records G's state as it is now (a
+        snapshot: None, or a :class:`~mixedad._ground.state.Snapshot` that records G's state as it is now (a
             replay that has just restored it), which a restart of the pass restores, instead of a new one.
 
     Returns:
@@ -289,13 +260,6 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
         if recorder is None and not skipped_paths():  # a report, or a pass told to skip rules, takes the per-op pass
             return push_program(call, G, zs, vs, forward)
         return forward()
-
-
-#: PyTorch keeps one forward-AD level for the whole process (``forward_ad._current_level``), so
-#: two threads in forward mode at once would see each other's level. mixedad's forward passes
-#: take turns for the block that holds the level, and only for it: the whole-G fallback and the
-#: passes under torch.func transforms run at once in other threads.
-FORWARD_PASS_LOCK = threading.RLock()
 
 
 def _push_forward(call, G, zs, vs, strategy, cotangent, *, recorder=None, snapshot=None):

@@ -172,7 +172,7 @@ def plan(f: Callable[..., torch.Tensor], G: Callable[..., Any], z: Any, y: Any, 
     """
     from mixedad import _checks
     from mixedad._planner.meta import meta_generator, meta_tree
-    from mixedad._frontend.state import Snapshot
+    from mixedad._ground.state import Snapshot
     from mixedad._planner.layouts import TargetLayouts
     from mixedad._planner.target import DEVICES, TargetDevice, planning_for
     from mixedad.op_rules._probes import new_plan

@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from mixedad._entry import warn_once
-from mixedad._frontend import random_state
-from mixedad._frontend.watch import off as watch_off
-from mixedad._frontend.state import Snapshot
+from mixedad._ground import random_state
+from mixedad._ground.watch import off as watch_off
+from mixedad._ground.state import Snapshot
+from mixedad._ground.forward_pass import FORWARD_PASS_LOCK
 from mixedad._hooks.functorch import in_functorch_transform
 from mixedad._hooks.dispatch import only_observers_active
 from mixedad._hooks.meta_trace import modes_active
@@ -42,7 +43,7 @@ from mixedad.op_rules._user import generation
 from mixedad._programs.key import key_of
 from mixedad._programs import sketch
 from mixedad._programs.program import write
-from mixedad._programs.trace import Unsupported
+from mixedad._programs.rules import Unsupported
 
 __all__ = ["CompiledTangent", "compiled_tangents", "per_op_pass", "push_compiled", "push_program", "TOLERANCE"]
 
@@ -494,8 +495,6 @@ def _check_one_pass_at_a_time(call, G, zs, vs, eager_push, entry):
     program runs first and only a sketch of its outputs is kept (:mod:`mixedad._programs.sketch`), then the per-op
     pass runs from the same random state and buffers, is sketched the same way, and its numbers are returned (G's
     state ends as it left it)."""
-    from mixedad._frontend.tangents import FORWARD_PASS_LOCK
-
     before = Snapshot(G, call=call)
     run = _program_fn(entry, 0, len(zs))
     try:

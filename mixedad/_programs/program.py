@@ -15,7 +15,8 @@ from mixedad._hooks.meta_trace import DTYPE
 from mixedad._programs import tangents as T
 from mixedad._programs.rules import (FRESH_MODULES, FUNCTIONS, METHODS, NOT_TENSORS, Emit, Missing, carries, describe, draws,
                                      module_rule, no_rule, writes_in_place)
-from mixedad._programs.trace import Unsupported, chain, trace
+from mixedad._programs.rules import Unsupported
+from mixedad._programs.trace import chain, trace
 
 __all__ = ["Program", "write"]
 

@@ -3,7 +3,7 @@
 Each rule takes the :class:`Emit` of one node (the primal node already written) and writes the
 node(s) that compute its tangent, calling :mod:`mixedad._programs.tangents`. A node whose inputs
 carry no tangent is copied as it is and has none. A node with a tangent input and no rule here
-makes the whole program :class:`~mixedad._programs.trace.Unsupported` (G then runs on mixedad's
+makes the whole program :class:`Unsupported` (G then runs on mixedad's
 per-op pass): a program never guesses.
 """
 import operator
@@ -13,13 +13,16 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from mixedad._ground.fingerprints import own_attributes
 from mixedad._hooks.meta_trace import NDIM
 from mixedad._programs import tangents as T
-from mixedad._programs.key import own_attributes
-from mixedad._programs.trace import Unsupported
 
-__all__ = ["MODULES", "FUNCTIONS", "METHODS", "NOT_TENSORS", "Emit", "Missing", "carries", "draws", "module_rule",
-           "no_rule", "writes_in_place"]
+__all__ = ["MODULES", "FUNCTIONS", "METHODS", "NOT_TENSORS", "Emit", "Missing", "Unsupported", "carries", "draws",
+           "module_rule", "no_rule", "writes_in_place"]
+
+
+class Unsupported(Exception):
+    """G, or an op of G, has no tangent program; the message says which and why."""
 
 
 class Emit:

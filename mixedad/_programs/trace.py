@@ -26,16 +26,14 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from mixedad._frontend.state import plain_attributes
+from mixedad._ground.state import plain_attributes
+from mixedad._ground.forward_pass import FORWARD_PASS_LOCK
 from mixedad._hooks.meta_trace import DTYPE, NDIM, MetaTrace, forward_on_meta, inside_function_apply
 from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.sequential import forward_hooks
+from mixedad._programs.rules import Unsupported, module_rule, no_rule
 
 __all__ = ["Unsupported", "chain", "trace"]
-
-
-class Unsupported(Exception):
-    """G, or an op of G, has no tangent program; the message says which and why."""
 
 
 def _before_each_node(tracer, kind, target):
@@ -134,8 +132,7 @@ def trace(G, zs):
     G's buffers and attributes are left as they were (a module's forward runs on meta tensors
     while traced, and may count calls). Raises :class:`Unsupported`.
     """
-    from mixedad._frontend.state import Snapshot
-    from mixedad._programs.rules import module_rule
+    from mixedad._ground.state import Snapshot
     if not isinstance(G, nn.Module) or isinstance(G, (torch.jit.ScriptModule, fx.GraphModule)):
         raise Unsupported(f"G is a {type(G).__name__}; tangent programs take an nn.Module")
     hooked = _hooks(G)
@@ -152,7 +149,6 @@ def trace(G, zs):
     meta = {p.name: torch.empty_strided(z.shape, z.stride(), dtype=z.dtype, device="meta")
             for p, z in zip(parameters, zs)}
     concrete = {p.name: p.default for p in rest}  # the defaults G runs with: fixed, not traced as inputs
-    from mixedad._frontend.tangents import FORWARD_PASS_LOCK
     # torch.fx patches torch while it traces (nn.Module.__call__ among others): mixedad's passes in other
     # threads wait for the trace, as they wait for each other's forward-AD level.
     with FORWARD_PASS_LOCK:
@@ -192,7 +188,6 @@ def chain(G, zs):
     patches nothing (other threads run on). Each layer's output dtype and number of dimensions come
     from its forward on meta tensors. Raises :class:`Unsupported`.
     """
-    from mixedad._programs.rules import module_rule, no_rule
     if type(G) is not nn.Sequential:
         raise Unsupported(f"G is a {type(G).__name__}, not an nn.Sequential of torch.nn layers")
     if len(zs) != 1:

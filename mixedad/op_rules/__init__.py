@@ -54,7 +54,7 @@ Users give a tangent rule to an op mixedad does not know with :func:`register`.
 """
 from mixedad.op_rules._attention import attention_blocks
 from mixedad.op_rules._dispatch import PATHS, SKIPPABLE, OpRules, PathRecorder, op_name, skipped_paths, skipping
-from mixedad.op_rules._errors import FunctionUnderTransformError, OpRuleError, UnderTransformError
+from mixedad._ground.errors import FunctionUnderTransformError, OpRuleError, UnderTransformError
 from mixedad.op_rules._local import DROPS_TANGENT, KNOWN_WRONG, NO_FORMULA, forget_failures
 from mixedad.op_rules._table import TABLE, OpCall, Path, Rule
 from mixedad.op_rules._user import register, unregister

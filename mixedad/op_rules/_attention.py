@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 from mixedad._hooks.attention_backends import blockwise_primal_here, math_backend, meta_stand_in, output_tokens_first
 from mixedad._hooks.composites import COMPOSITES, run_inside
 from mixedad._hooks.thread_local import setting
-from mixedad.op_rules._errors import UnderTransformError
+from mixedad._ground.errors import UnderTransformError
 from mixedad.op_rules._table import Path, defrule
 
 #: Bytes of scores per block (all batch entries and heads, a block of queries, every key).

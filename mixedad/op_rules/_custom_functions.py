@@ -14,8 +14,8 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixedad._frontend import watch
-from mixedad._frontend.grad_mode import no_graph, run_as_constant
+from mixedad._ground import watch
+from mixedad._ground.grad_mode import no_graph, run_as_constant
 from mixedad._hooks.checkpoint import CheckpointFunction, run_directly
 from mixedad._hooks.dual_level import any_tangent, unpack
 from mixedad._hooks.function_apply import direct, has_own_jvp, has_own_vmap, has_setup_context, original_apply
@@ -24,7 +24,7 @@ from mixedad._hooks.module_hooks import BackwardHookFunction
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad._hooks.threads import unwatched
 from mixedad._hooks.torch_function_stack import popped
-from mixedad.op_rules._errors import FunctionUnderTransformError, NeedsWholeG, OpRuleError, UnderTransformError
+from mixedad._ground.errors import FunctionUnderTransformError, NeedsWholeG, OpRuleError, UnderTransformError
 from mixedad.op_rules._local import local_jvp
 from mixedad.op_rules._probes import verdict, verdict_in_batch, verdict_under_transforms, warn_disagreement
 from mixedad.op_rules._table import Path

@@ -11,10 +11,11 @@ import threading
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.overrides import TorchFunctionMode, resolve_name
+from torch.overrides import TorchFunctionMode
 
-from mixedad._frontend.watch import note_generators
-from mixedad._frontend.grad_mode import (GRAD_MODE_SETTERS, GRAPH_ATTRIBUTES, REQUIRES_GRAD, cannot_batch, no_graph,
+from mixedad._ground.watch import note_generators
+from mixedad._ground.naming import op_name
+from mixedad._ground.grad_mode import (GRAD_MODE_SETTERS, GRAPH_ATTRIBUTES, REQUIRES_GRAD, cannot_batch, no_graph,
                                          run_as_constant)
 from mixedad._hooks.composites import COMPOSITES, CompositeReentered, run_inside
 from mixedad._hooks.dual_level import any_tangent, any_tangent_in
@@ -24,7 +25,7 @@ from mixedad._hooks.library_ops import is_library_op
 from mixedad._hooks.torch_function_stack import popped
 from mixedad.op_rules import _attention, _formulas, _frozen_layers, _rnn  # noqa: F401  (they register their rules)
 from mixedad.op_rules._custom_functions import GRADIENT_HOOKS, forward_pass_custom_function
-from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
+from mixedad._ground.errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
 from mixedad.op_rules._local import FAILED, LIBRARY_OP_RULE, SILENTLY_WRONG, failed_rule, remember_failure
 from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, pack
 
@@ -46,14 +47,6 @@ REVERSE_MODE_INSIDE = {
     torch.Tensor.backward: "G calls Tensor.backward inside itself",
     torch.Tensor.register_hook: "G registers a gradient hook (Tensor.register_hook), which forward mode never runs",
 }
-
-
-@functools.lru_cache(maxsize=None)
-def op_name(func: Any) -> str:
-    """A readable name for a torch function: ``torch.nn.functional.linear``, ``torch.Tensor.add``."""
-    if isinstance(func, type):
-        return f"{func.__qualname__} (custom Function)"
-    return resolve_name(func) or getattr(func, "__qualname__", None) or repr(func)
 
 
 _settings = threading.local()
@@ -125,7 +118,7 @@ class OpRules(TorchFunctionMode):
         self.attention = Path.ATTENTION not in skip
         self.skip = skip
         self.failed = FAILED if self.local else {}
-        #: The pass's :class:`~mixedad._frontend.inputs.PassInputs` (set by the pass): ops about to write into the
+        #: The pass's :class:`~mixedad._ground.inputs.PassInputs` (set by the pass): ops about to write into the
         #: caller's z or v restart it on copies.
         self.inputs: Any = None
         self._rules: Dict[Any, Optional[Rule]] = {}  # func -> its rule in this pass (TABLE and the skips do not change during one)

@@ -17,7 +17,7 @@ path; mixedad raises :class:`OpRuleError` instead of returning a number.
 import torch
 
 from mixedad._hooks.autograd_graph import compiled_region, once_differentiable_node
-from mixedad.op_rules._errors import OpRuleError
+from mixedad._ground.errors import OpRuleError
 
 
 def _subject(name):

@@ -38,7 +38,7 @@ from mixedad._hooks.autocast import cpu_autocast_on
 from mixedad._hooks.batch_norm import batch_norm_kernels, batch_norm_tangent, batch_norm_with_statistics
 from mixedad._hooks.onednn import onednn_linear_op
 from mixedad._hooks.sequential import forward_hooks, running_child
-from mixedad.op_rules._errors import OpRuleError
+from mixedad._ground.errors import OpRuleError
 from mixedad.op_rules._table import Path, defrule
 
 _CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")

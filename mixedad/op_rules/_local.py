@@ -20,12 +20,12 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from mixedad._frontend.writes import in_place_targets
+from mixedad._ground.writes import in_place_targets
 from mixedad._hooks.dual_level import dual, unpack
 from mixedad._hooks.function_apply import direct
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad.op_rules._double_vjp import double_vjp
-from mixedad.op_rules._errors import NeedsWholeG, OpRuleError
+from mixedad._ground.errors import NeedsWholeG, OpRuleError
 from mixedad.op_rules._table import Path, Rule, defrule
 
 #: Torch ops whose forward-AD formula in PyTorch is known to be silently wrong: they take the

@@ -24,7 +24,7 @@ ops is checked on each.
 
 The probes run outside mixedad's dispatch, with grad enabled and a real reverse graph, on copies
 of the op's inputs (its in-place writes go to the copies); every random source is put back
-afterwards (:func:`mixedad._frontend.random_state.undone`), and their random vectors come from a
+afterwards (:func:`mixedad._ground.random_state.undone`), and their random vectors come from a
 private generator. They cost one forward, three backwards and, where a tangent is tested, one
 call of it, once per signature. A probe cannot prove linearity: a clipping threshold far beyond
 both scales passes it. On meta and fake tensors, which hold no values, nothing is probed (the
@@ -38,16 +38,16 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from mixedad._frontend.random_state import RandomState, undone, watching
+from mixedad._ground.random_state import RandomState, undone, watching
 from mixedad._hooks.dual_level import dual, dual_level_open, unpack
 from mixedad._hooks.function_apply import direct, has_own_jvp
 from mixedad._hooks.functorch import TangentBatch, is_wrapped, plain_example
 from mixedad._hooks.pytree import tree_flatten, tree_unflatten
 from mixedad._hooks.tensor_kinds import holds_values
-from mixedad.op_rules._errors import OpRuleError
+from mixedad._ground.errors import OpRuleError
 
 __all__ = ["Verdict", "TOLERANCE", "verdict", "verdict_in_batch", "verdict_under_transforms", "warn_disagreement",
-           "forget", "new_plan"]
+           "new_plan"]
 
 #: Relative tolerance of both probes, by dtype (round-off of a few sums of products).
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}

@@ -11,7 +11,7 @@ from mixedad._hooks.function_apply import has_setup_context
 from mixedad._hooks.library_ops import registry_keys
 from mixedad._hooks.pytree import tree_flatten
 from mixedad._hooks.torch_function_stack import Calls
-from mixedad.op_rules._errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
+from mixedad._ground.errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
 from mixedad.op_rules._probes import verdict, verdict_in_batch, warn_disagreement
 from mixedad.op_rules._table import TABLE, OpCall, Path, Rule, arguments_of, pack
 

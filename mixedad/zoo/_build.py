@@ -10,7 +10,7 @@ from torch.autograd import forward_ad
 
 from mixedad._hooks.function_apply import routing
 from mixedad.op_rules._dispatch import ATTENTION, FROZEN, OpRules
-from mixedad._frontend.tangents import FORWARD_PASS_LOCK
+from mixedad._ground.forward_pass import FORWARD_PASS_LOCK
 from mixedad._hooks.attention_backends import differentiable_attention
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,

@@ -3,7 +3,7 @@ import torch
 
 import mixedad
 
-from mixedad._frontend.state import Snapshot
+from mixedad._ground.state import Snapshot
 from mixedad.reference import differentiable_attention
 from mixedad._programs.program import write
 

@@ -6,7 +6,7 @@ from torch import nn
 
 import mixedad
 from mixedad._programs.program import write
-from mixedad._programs.trace import Unsupported
+from mixedad._programs.rules import Unsupported
 from tests._programs.common import assert_program_matches, program_jvp, reverse_mode_jvp
 
 

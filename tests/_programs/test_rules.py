@@ -8,7 +8,7 @@ from torch import nn
 
 from mixedad._programs import rules
 from mixedad._programs.program import write
-from mixedad._programs.trace import Unsupported
+from mixedad._programs.rules import Unsupported
 
 
 class _Fn(nn.Module):

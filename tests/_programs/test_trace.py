@@ -8,7 +8,8 @@ from torch import nn
 
 from mixedad._hooks import meta_trace
 from mixedad._programs.program import write
-from mixedad._programs.trace import Unsupported, trace
+from mixedad._programs.rules import Unsupported
+from mixedad._programs.trace import trace
 
 
 class _Wrap(nn.Module):

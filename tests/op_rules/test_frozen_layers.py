@@ -472,7 +472,7 @@ def test_a_folded_tangent_that_does_not_reach_its_batchnorm_is_refused_not_scale
     import weakref
 
     from mixedad.op_rules import _frozen_layers
-    from mixedad.op_rules._errors import OpRuleError
+    from mixedad._ground.errors import OpRuleError
 
     bn = nn.BatchNorm2d(2).eval()
     folded = torch.ones(1, 2, 3, 3)

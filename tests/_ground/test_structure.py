@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixedad._programs.structure import ClassStructure, Structure, structure_of
+from mixedad._ground.structure import ClassStructure, Structure, structure_of
 
 SCALE = 2.0
 

@@ -10,10 +10,10 @@ of them:
 - every ``torch.Generator`` that G's ops receive (as ``generator=`` or by position);
 - the random sources G holds: a ``torch.Generator``, a NumPy ``Generator`` or ``RandomState``, a
   ``random.Random`` kept as an attribute of one of G's modules, or in what a function G closes
-  over (:mod:`mixedad._frontend.reach`): :meth:`RandomState.hold`, by the snapshot of G.
+  over (:mod:`mixedad._ground.reach`): :meth:`RandomState.hold`, by the snapshot of G.
 
 A ``torch.Generator`` G neither holds nor names is known from the first op that receives it inside
-:func:`watching` (the watch of :mod:`mixedad._frontend.watch` reads each op's arguments; mixedad's
+:func:`watching` (the watch of :mod:`mixedad._ground.watch` reads each op's arguments; mixedad's
 own dispatch reads them itself). Each watching state records a generator's state at first sight,
 which is its state before the pass drew from it, and the generators seen for a G are remembered
 (weakly, per G), so that every later capture for that G takes their state up front. Other
@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from mixedad._frontend import watch
+from mixedad._ground import watch
 
 __all__ = ["RandomState", "watching", "undone", "is_source", "source_types"]
 
@@ -200,7 +200,7 @@ class RandomState:
 
 def watching(state, *, mode=True):
     """Inside the block, ``state`` records every generator G's ops receive, at first sight (``mode``: as for
-    :func:`mixedad._frontend.watch.observing`)."""
+    :func:`mixedad._ground.watch.observing`)."""
     return watch.observing("generators", state, mode=mode)
 
 

@@ -1,6 +1,6 @@
 """mixedad's errors: refusals are RuntimeErrors of its own; the signals are not."""
 from mixedad.op_rules import FunctionUnderTransformError, OpRuleError, UnderTransformError
-from mixedad.op_rules._errors import NeedsWholeG, RestartPass
+from mixedad._ground.errors import NeedsWholeG, RestartPass
 
 
 def test_hierarchy():

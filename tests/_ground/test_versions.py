@@ -16,8 +16,8 @@ from torch.nn.utils.parametrizations import spectral_norm
 
 import mixedad
 from mixedad import StateChangedError
-from mixedad._frontend.state import SMALL_BUFFER_BYTES
-from mixedad._frontend.versions import input_labels
+from mixedad._ground.state import SMALL_BUFFER_BYTES
+from mixedad._ground.versions import input_labels
 from mixedad.testing import assert_close
 
 F64 = torch.float64

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import mixedad
-from mixedad._frontend import random_state
-from mixedad._frontend.random_state import RandomState
+from mixedad._ground import random_state
+from mixedad._ground.random_state import RandomState
 from mixedad.testing import assert_close
 
 F64 = torch.float64

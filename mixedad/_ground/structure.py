@@ -1,8 +1,8 @@
 """What a replay of G's modules takes from them that no snapshot restores: their structure, recorded and checked.
 
 A saved pass (``input_grad``'s backward, a ``z_curvature`` operator, ``implicit_argmin``'s backward) runs
-G's modules again later. :mod:`mixedad._frontend.state` replays their plain attributes (numbers,
-strings, tensors, the train/eval mode) and buffers, and :mod:`mixedad._frontend.versions` checks
+G's modules again later. :mod:`mixedad._ground.state` replays their plain attributes (numbers,
+strings, tensors, the train/eval mode) and buffers, and :mod:`mixedad._ground.versions` checks
 their parameters' versions; what is left is each module's **structure**: its identity, hooks and
 children, its other attributes (configurations, generators, methods), and its class's attributes
 and the globals its ``forward`` names. :func:`structure_of` and :func:`class_structure` key those
@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from mixedad._hooks.module_hooks import HOOK_KINDS, MODULE_INTERNALS, hook_handles
-from mixedad._programs.key import SIMPLE_TYPES, class_key, fingerprint, forward_globals, own_classes
+from mixedad._ground.fingerprints import SIMPLE_TYPES, class_key, fingerprint, forward_globals, own_classes
 
 __all__ = ["ClassStructure", "Structure", "class_structure", "structure_of"]
 
-#: Attribute types a snapshot of G restores itself (:func:`mixedad._frontend.state.plain_attributes`).
+#: Attribute types a snapshot of G restores itself (:func:`mixedad._ground.state.plain_attributes`).
 _REPLAYED = (bool, int, float, str, type(None), torch.Tensor)
 
 
@@ -97,7 +97,7 @@ _EMPTY: dict = {}  # never written: stands for every empty dict a copy holds
 
 
 def _by_identity(value):
-    """Whether :func:`~mixedad._programs.key.fingerprint` of ``value`` is fixed by the object itself: a simple
+    """Whether :func:`~mixedad._ground.fingerprints.fingerprint` of ``value`` is fixed by the object itself: a simple
     value, a tuple of them, a module, class, Python module or function (by identity), an inference tensor (which
     has no version)."""
     kind = type(value)

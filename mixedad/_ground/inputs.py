@@ -3,10 +3,10 @@
 A pass hands G views of the caller's tensors, with no copy (a copy would cost z's memory on every
 call). Before an op of G writes in place into the memory of any of them (``q.mul_(2)`` on G's
 input, ``nn.ReLU(inplace=True)`` as G's first layer, a write into a view of it), the pass stops
-and starts again on mixedad's own copies (:class:`~mixedad.op_rules._errors.InputsWritten`). So
+and starts again on mixedad's own copies (:class:`~mixedad._ground.errors.InputsWritten`). So
 the caller's v is never written (its next call with the same v would be wrong), nor is z: the
 copy takes G's writes, and every pass and replay of the call starts from the z the first one saw.
-The writes are read from each call before it runs (:mod:`mixedad._frontend.writes`); a custom
+The writes are read from each call before it runs (:mod:`mixedad._ground.writes`); a custom
 Function with its own ``jvp``, whose writes cannot be read, gets the copies whenever it takes one
 of the inputs directly.
 """
@@ -15,8 +15,9 @@ import torch
 from mixedad._hooks.dual_level import unpack
 from mixedad._hooks.functorch import NotLowerable, is_wrapped
 from mixedad._hooks.tensor_kinds import shares_memory_within, storage_id
-from mixedad._frontend.writes import in_place_targets, may_write
-from mixedad.op_rules._errors import InputsWritten
+from mixedad._ground.writes import in_place_targets, may_write
+from mixedad._ground.errors import InputsWritten
+from mixedad._ground.naming import op_name
 
 __all__ = ["PassInputs", "own_memory"]
 
@@ -54,8 +55,6 @@ class PassInputs:
         if not self.private and may_write(func, kwargs):
             targets = in_place_targets(func, args, kwargs)
             if targets:
-                from mixedad.op_rules import op_name
-
                 self.watch_targets(op_name(func), targets, batch)
 
     def watch_targets(self, name, targets, batch=None):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixedad._frontend.reach import modules_reached, reached
+from mixedad._ground.reach import modules_reached, reached
 
 
 class _Holder:

@@ -1,8 +1,8 @@
 """The one mode that sees a pass's ops first: generators at first sight, and the tensors a saved pass reads."""
 import torch
 
-from mixedad._frontend import random_state, watch
-from mixedad._frontend.random_state import RandomState
+from mixedad._ground import random_state, watch
+from mixedad._ground.random_state import RandomState
 
 
 def test_the_watch_is_one_mode_taken_off_by_a_dispatch_that_notes_generators_itself():

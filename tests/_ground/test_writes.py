@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixedad._frontend.writes import in_place_targets
+from mixedad._ground.writes import in_place_targets
 
 x, y = torch.randn(3), torch.randn(3)
 out = torch.empty(3)

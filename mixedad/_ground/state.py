@@ -5,7 +5,7 @@ Policy, for every mixedad call:
 - **Random state (dropout, noise).** Every pass through G within one call sees the random state
   the call's own forward pass saw, so all passes draw the same numbers. After the call every
   random source (torch's global CPU and CUDA generators, each ``torch.Generator`` G's ops
-  receive, Python's ``random``, NumPy's global generator: :mod:`mixedad._frontend.random_state`)
+  receive, Python's ``random``, NumPy's global generator: :mod:`mixedad._ground.random_state`)
   is where one plain forward of G on z would have left it: forward passes advance them exactly as
   the naive code does, and replays (input_grad's backward, a fallback after a failed attempt) are
   undone.
@@ -45,9 +45,9 @@ from itertools import repeat
 import torch
 from torch import nn
 
-from mixedad._frontend import random_state, watch
-from mixedad._frontend.random_state import RandomState, is_source, source_types
-from mixedad._frontend.reach import reached
+from mixedad._ground import random_state, watch
+from mixedad._ground.random_state import RandomState, is_source, source_types
+from mixedad._ground.reach import reached
 from mixedad._hooks.module_hooks import MODULE_INTERNALS
 from mixedad._hooks.sequential import forward_hooks
 from mixedad._hooks.torch_function_stack import unseen
@@ -149,8 +149,8 @@ class Snapshot:
     def watching(self, *, reads=False, mode=True):
         """Record, before they first run, the generators G's ops receive and the modules a non-Module G calls
         inside the block; with ``reads``, also every tensor its ops read that the block did not make
-        (:attr:`reads`, for a saved pass's :class:`~mixedad._frontend.versions.Versions`). Without ``mode``, the
-        block starts the watch itself where G or f runs (:func:`mixedad._frontend.watch.ops`), or runs them through
+        (:attr:`reads`, for a saved pass's :class:`~mixedad._ground.versions.Versions`). Without ``mode``, the
+        block starts the watch itself where G or f runs (:func:`mixedad._ground.watch.ops`), or runs them through
         mixedad's per-op pass, whose dispatch notes the generators: mixedad's own bookkeeping is not watched."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(random_state.watching(self.rng, mode=mode))
@@ -431,7 +431,7 @@ _ABSENT = object()
 
 def torch_layers_only(G):
     """Whether G is a module of ``torch.nn``'s own layers with no hooks: it runs no Python code of the user's, so it
-    draws nothing from Python's or NumPy's random state (:class:`~mixedad._frontend.random_state.RandomState`'s
+    draws nothing from Python's or NumPy's random state (:class:`~mixedad._ground.random_state.RandomState`'s
     ``host``)."""
     return isinstance(G, nn.Module) and _torch_layers_only(list(G.modules()))
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import mixedad
-from mixedad._frontend.nesting import NestedCallError, check_not_nested, one_pass
+from mixedad._ground.nesting import NestedCallError, check_not_nested, one_pass
 
 F64 = torch.float64
 

@@ -8,7 +8,7 @@ from torch import nn
 import mixedad
 from mixedad import zoo
 from mixedad.reference import double_backward_input_grad, double_backward_mixed_grad
-from mixedad._frontend.state import SMALL_BUFFER_BYTES, Snapshot
+from mixedad._ground.state import SMALL_BUFFER_BYTES, Snapshot
 from mixedad.testing import assert_close
 
 F64 = torch.float64

@@ -3,10 +3,10 @@
 Two kinds of observers register here, per thread, and share one mode (nested watches push no
 second one):
 
-- **random states** (:class:`mixedad._frontend.random_state.RandomState`): every
+- **random states** (:class:`mixedad._ground.random_state.RandomState`): every
   ``torch.Generator`` an op receives (``generator=``, or by position), its state noted before it
   first draws;
-- **reads** (:class:`Reads`, for :mod:`mixedad._frontend.versions`): every tensor an op reads that
+- **reads** (:class:`Reads`, for :mod:`mixedad._ground.versions`): every tensor an op reads that
   the pass did not make (a tensor G closes over, a parameter as G passes it);
 - **guards** (:class:`WriteGuard`): ops about to write in place into tensors a pass must not
   change, refused before they run.
@@ -21,7 +21,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixedad._frontend.writes import in_place_targets
+from mixedad._ground.writes import in_place_targets
 from mixedad._hooks.pytree import tree_flatten
 from mixedad._hooks.tensor_kinds import storage_id
 from mixedad._hooks.torch_function_stack import innermost, popped

@@ -2,7 +2,7 @@ r"""Saved passes against changed state: the versions of what a later pass reads 
 
 Four objects keep a pass and run it again later: ``input_grad``'s backward, a ``z_curvature``
 operator's products, ``implicit_argmin``'s backward and ``cached_backward``'s second pass. Each
-replays from a :class:`~mixedad._frontend.state.Snapshot` what the snapshot holds: the random
+replays from a :class:`~mixedad._ground.state.Snapshot` what the snapshot holds: the random
 state, the buffers it copied (those of train-mode modules, and the small ones of eval-mode
 modules), the buffer objects and the plain attributes (the train/eval mode too). What the pass
 reads again is checked here, as autograd checks the tensors a graph saves, through
@@ -21,7 +21,7 @@ reads again is checked here, as autograd checks the tensors a graph saves, throu
   (:func:`mixedad._hooks.batch_norm.read_in_eval`);
 - **the inputs the object keeps** (z, y's leaves, z_star): the same version;
 - **every other tensor the saved pass read** that it did not make (a tensor G closes over, seen
-  by :mod:`mixedad._frontend.watch` while the pass ran): the same version.
+  by :mod:`mixedad._ground.watch` while the pass ran): the same version.
 
 .. math::
 
@@ -45,7 +45,7 @@ from torch import nn
 from mixedad._hooks.batch_norm import read_in_eval
 from mixedad._hooks.pytree import keystr, tree_flatten_with_path
 from mixedad._hooks.tensor_kinds import storage_id
-from mixedad._programs.structure import ClassStructure, Structure
+from mixedad._ground.structure import ClassStructure, Structure
 
 __all__ = ["StateChangedError", "Versions", "input_labels"]
 
