@@ -35,14 +35,15 @@ from mixedad._programs.compiled import push_compiled
 from mixedad._ground import random_state
 from mixedad._ground.state import Snapshot, torch_layers_only
 from mixedad._ground.inputs import PassInputs
-from mixedad._frontend.tangents import _HOOKED, _THREADS, MAX_RESTARTS, _tensors_only
+from mixedad._frontend.restarts import run_restarting
+from mixedad._frontend.tangents import _HOOKED, _THREADS, _tensors_only
 from mixedad._ground.forward_pass import forward_pass
 from mixedad._hooks.function_apply import routing
-from mixedad._hooks.functorch import NotLowerable, TangentBatch, batched_at, tangents_of_innermost_vmap
+from mixedad._hooks.functorch import TangentBatch, batched_at, tangents_of_innermost_vmap
 from mixedad._hooks.module_hooks import backward_hooks
 from mixedad._hooks.threads import watching_threads
 from mixedad.op_rules import OpRules, PathRecorder
-from mixedad._ground.errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
+from mixedad._ground.errors import NeedsWholeG, UnderTransformError
 
 __all__ = ["push_tangents", "push_under_vmap"]
 
@@ -78,30 +79,12 @@ def _push_batch(call, G, zs, vs, *, recorder=None):
     if backward_hooks(snapshot.modules):
         raise UnderTransformError(f"{call}: {_HOOKED}")
     rules, inputs = OpRules(call, recorder, batch=TangentBatch()), PassInputs(zs, vs)
-    for _ in range(MAX_RESTARTS + 1):
-        try:
-            with snapshot.watching(mode=False):
-                pushed = _forward(call, G, inputs, rules)
-            if recorder is not None:
-                recorder.inputs_written = inputs.private
-            return pushed
-        except RestartPass:
-            snapshot.restore()  # the op that failed is now on the local rule, or G gets copies of its inputs
-            if recorder is not None:
-                recorder.counts.clear()  # the aborted pass's ops are counted again by the next one
-        except UnderTransformError:
-            snapshot.restore()
-            raise
-        except (NeedsWholeG, NotLowerable) as error:
-            snapshot.restore()
-            raise UnderTransformError(f"{call}: {error}") from error
-        except OpRuleError:
-            raise
-        except NotImplementedError as error:  # an op the dispatch does not see has no formula
-            snapshot.restore()
-            raise UnderTransformError(f"{call}: {error}") from error
-    snapshot.restore()
-    raise UnderTransformError(f"{call}: more than {MAX_RESTARTS} ops of G needed the local rule in one call")
+
+    def refuse(reason, at_cotangent=False):  # one pass per tangent takes G instead, with every fallback
+        raise UnderTransformError(f"{call}: {reason}")
+
+    return run_restarting(lambda: _forward(call, G, inputs, rules), snapshot, refuse, recorder=recorder,
+                          inputs=inputs)
 
 
 def _forward(call, G, inputs, rules):

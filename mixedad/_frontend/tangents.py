@@ -39,6 +39,7 @@ from torch.autograd import forward_ad
 from torch.func import jvp, vjp
 
 from mixedad._entry import frozen, warn_once
+from mixedad._frontend.restarts import run_restarting
 from mixedad._ground.forward_pass import forward_pass
 from mixedad._ground.grad_mode import ReadGradMode
 from mixedad._ground.nesting import one_pass
@@ -46,7 +47,6 @@ from mixedad._ground.inputs import PassInputs, writable
 from mixedad._ground.state import Snapshot
 from mixedad._programs.compiled import push_compiled, push_program
 from mixedad._hooks.attention_backends import differentiable_attention
-from mixedad._hooks.dual_level import raised_entering_a_dual_level
 from mixedad._hooks.function_apply import routing
 from mixedad._hooks.functorch import in_functorch_transform
 from mixedad._hooks.module_hooks import backward_hooks
@@ -56,7 +56,7 @@ from mixedad.op_rules._dispatch import (REVERSE_MODE_INSIDE, SKIPPABLE, OpRules,
                                         untrusted_under_transforms)
 from mixedad.op_rules._custom_functions import FunctionsUnderTransforms, ReverseMode
 from mixedad.op_rules._double_vjp import double_vjp
-from mixedad._ground.errors import NeedsWholeG, OpRuleError, RestartPass, UnderTransformError
+from mixedad._ground.errors import NeedsWholeG, UnderTransformError
 
 def _check_outputs(call, g_leaves, out=None):
     """G's output must hold a floating-point tensor; its other leaves (indices, None) reach f as constants."""
@@ -187,10 +187,6 @@ def _reverse(call, G, zs, vs, cotangent=None, at_cotangent=False, copies=True):
     return [leaf.detach() if differentiable(leaf) else leaf for leaf in g_leaves], tangents, spec
 
 
-#: How often one call may restart its forward pass to put a newly failed op on the local rule.
-MAX_RESTARTS = 16
-
-
 def _g_name(G):
     return type(G).__qualname__ if isinstance(G, nn.Module) else getattr(G, "__qualname__", type(G).__name__)
 
@@ -262,6 +258,13 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
         return forward()
 
 
+class _Refused:
+    """The result of a call whose forward pass could not go on (the whole-G fallback's)."""
+
+    def __init__(self, result):
+        self.result = result
+
+
 def _push_forward(call, G, zs, vs, strategy, cotangent, *, recorder=None, snapshot=None):
     rules, inputs = OpRules(call, recorder), PassInputs(zs, vs)
 
@@ -272,33 +275,12 @@ def _push_forward(call, G, zs, vs, strategy, cotangent, *, recorder=None, snapsh
         snapshot = Snapshot(G, call=call)
     if backward_hooks(snapshot.modules):
         return whole_g(_HOOKED, at_cotangent=True)
-    for _ in range(MAX_RESTARTS + 1):
-        try:
-            with snapshot.watching(mode=False):
-                g_leaves, tangents, spec = _forward(call, G, zs, vs, rules, inputs=inputs)
-            break
-        except RestartPass:
-            snapshot.restore()  # the op that failed is now on the local rule, or G gets copies of its inputs
-            if recorder is not None:
-                recorder.counts.clear()  # the aborted pass's ops are counted again by the next one
-        except OpRuleError:
-            raise
-        except NeedsWholeG as error:
-            snapshot.restore()
-            return whole_g(str(error), at_cotangent=error.at_cotangent)
-        except (RuntimeError, NotImplementedError) as error:
-            if raised_entering_a_dual_level(error):
-                snapshot.restore()
-                return whole_g("G uses forward-mode AD inside itself, and PyTorch cannot nest forward-mode AD")
-            if not isinstance(error, NotImplementedError):  # torch's type for "no forward-AD formula"
-                raise
-            snapshot.restore()
-            return whole_g("an op of G that mixedad's dispatch does not see has no forward-mode AD formula here")
-    else:
-        snapshot.restore()
-        return whole_g(f"more than {MAX_RESTARTS} ops of G needed the local rule in one call")
-    if recorder is not None:
-        recorder.inputs_written = inputs.private
+    passed = run_restarting(lambda: _forward(call, G, zs, vs, rules, inputs=inputs), snapshot,
+                            lambda reason, at_cotangent=False: _Refused(whole_g(reason, at_cotangent)),
+                            recorder=recorder, inputs=inputs)
+    if isinstance(passed, _Refused):
+        return passed.result
+    g_leaves, tangents, spec = passed
     if backward_hooks(snapshot.modules):  # modules that a G which is not a Module ran
         snapshot.restore()
         return whole_g(_HOOKED, at_cotangent=True)
