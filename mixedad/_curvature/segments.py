@@ -88,8 +88,7 @@ def auto_count(n):
 
     A boundary costs one activation for the whole sweep, a slice's graph a few per module it
     holds (and activation modules hold little), so :math:`\sqrt{n/2}` slices balance the two for
-    the usual alternation of layers and activations (measured on MLPs: the smallest peak among
-    :math:`\sqrt{n/2}`, :math:`\sqrt n` and :math:`\sqrt{2n}`, at the same time).
+    the usual alternation of layers and activations (the measurement behind it: docs/performance.md, "Measurements behind the design").
     """
     return max(1, round(math.sqrt(n / 2)))
 

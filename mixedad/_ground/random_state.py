@@ -113,7 +113,8 @@ class RandomState:
 
     Args:
         G: the generator whose generators seen before are captured up front; None for none.
-        host: keyword-only; also capture Python's and NumPy's global states (about 30 us). False for a G made of
+        host: keyword-only; also capture Python's and NumPy's global states (tens of microseconds: NumPy's is copied
+            in full). False for a G made of
             ``torch.nn``'s own layers with no hooks, which runs no Python code of the user's that could draw them.
 
     Generators first seen later, inside :func:`watching` this state, are added at first sight.

@@ -12,8 +12,8 @@ thread pools start their threads there too). It is in place only while some pass
 counts a start only in a thread that is running a pass: threads that other threads start
 meanwhile (a second caller of mixedad, a data loader, a logger) are not G's. Two passes in two
 threads share one watch (:class:`mixedad._hooks.refcount.SharedPatch`); the last one out puts
-``threading`` back as it was. A profile function was tried instead: it is exact too but makes a small G's pass 1.7x
-slower.
+``threading`` back as it was. A profile function was tried instead: it is exact too, but slows a small G's pass
+(docs/performance.md, "Measurements behind the design").
 
 What this relies on (pinned by ``tests/_hooks/test_threads.py``): Python's ``Thread.start`` calls
 the module global ``threading._start_new_thread`` (Python 3.9 to 3.12) or

@@ -6,8 +6,8 @@ as its tangent. The ``ZeroTensor`` dispatch key runs before a dispatch mode sees
 reached directly (``redispatch`` to ``Meta``), not through the mode. Where that meta kernel is one of PyTorch's
 Python references, the primitives it calls (``torch.ops.prims``) go through the dispatcher, and a dispatch mode
 sees them. On a device those tensors are meta tensors, which a byte counter skips; in a plan every tensor is a
-meta tensor, and counting them counted meta results as if the device held them (a review measured a
-StyleGAN2-style fused modulated convolution planned at 1.11x its mixed_grad peak).
+meta tensor, and counting them counted meta results as if the device held them, over-planning a fused modulated
+convolution (docs/performance.md, "Measurements behind the design").
 
 What this relies on in torch (pinned by ``tests/_hooks/test_zero_tensors.py``): a dispatch mode sees ops of the
 ``prims`` namespace only inside such a meta kernel: a device run of the same code returns only meta tensors from

@@ -3,9 +3,9 @@ r"""The target device's output layouts, given to meta tensors: one rule per op, 
 Meta's kernels give some outputs another layout than the device's kernels give them. The bytes of
 that output are the same, but every op after it follows its layout: a contiguous copy the device
 makes (``reshape``, ``contiguous``, a kernel that needs one) where meta makes none, or none where
-meta makes one. Measured before these rules, on a diffusers ``AutoencoderKL`` decoder (whose
-attention returns channels-last activations, which CPU convolutions keep), mixed_grad was planned
-at 0.81x its CPU peak.
+meta makes one: without these rules a diffusers ``AutoencoderKL`` decoder (whose attention returns
+channels-last activations, which CPU convolutions keep) was planned below its CPU peak
+(docs/performance.md, "Measurements behind the design").
 
 .. math::
 

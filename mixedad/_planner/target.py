@@ -27,8 +27,8 @@ contiguous one); the layouts of other ops' outputs are :mod:`mixedad._planner.la
 so planned as the composite path: the ``nn.TransformerEncoderLayer`` / ``nn.MultiheadAttention`` fast path. Fused
 RNNs (``nn.LSTM`` / ``GRU`` / ``RNN``) are refused:
 their memory is that of the device's kernel (cuDNN's reserve space, oneDNN's workspace), which a
-run on meta does not see; measured against the CPU, it held 0.1x to 0.3x of the real peak, a
-plan that would say "fits" where the card overflows.
+run on meta does not see: a plan of them would say "fits" where the card overflows
+(docs/performance.md, "Measurements behind the design").
 """
 import math
 

@@ -62,7 +62,7 @@ def key_of(G, zs, vs, batch):
 
     The key is one flat tuple (its runs of varying length ended by a private marker): it is computed, hashed and
     compared on every call that may take a program, and a flat tuple is quicker to build and look up than nested
-    ones (225 against 250 us on the speed benchmark's DCGAN)."""
+    ones."""
     held: List[Any] = []
     key: List[Any] = [batch, torch.backends.mkldnn.enabled, global_hook_handles(), generation()]
     for t in (*zs, *vs):

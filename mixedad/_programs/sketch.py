@@ -3,8 +3,7 @@ r"""Comparing two passes' outputs with one pass's outputs alive at a time: rando
 The default's check (:func:`mixedad._programs.compiled.push_program`) runs G's program, keeps a sketch of each
 output leaf (its sum of squares and :data:`PROJECTIONS` random projections) and lets the leaves go, then runs the
 per-op pass from the same state and sketches its leaves the same way. Holding both passes' outputs at once would
-cost their size on top of the larger pass's peak (a review measured 1.1x to 1.9x the per-op pass's peak on the
-check's call); a sketch costs a few numbers, and the pieces it converts while it reads a leaf are at most 1/64 of
+cost their size on top of the larger pass's peak (docs/performance.md, "Measurements behind the design"); a sketch costs a few numbers, and the pieces it converts while it reads a leaf are at most 1/64 of
 the leaf's bytes. With :math:`r_j` standard Gaussian vectors drawn from a fixed seed:
 
 .. math::

@@ -73,8 +73,8 @@ def attention_blocks(nbytes: int) -> Iterator[None]:
         \text{rows per block} \approx \frac{\mathtt{nbytes}}{\text{batch} \cdot \text{heads} \cdot T_k \cdot
         \text{bytes per score}}
 
-    The default, 1.5 MiB, is sized for a CPU's cache. Each block costs a dozen kernel launches: on a GPU
-    (an H200, T = 8192: 353 blocks a layer) mixed_grad took 6.7x double backward's time at the default.
+    The default, 1.5 MiB, is sized for a CPU's cache. Each block costs a dozen kernel launches, which on
+    a GPU dominate at the default (docs/performance.md, "Measurements behind the design").
     Larger blocks launch fewer kernels and hold more at once (the peak grows by a few blocks, still
     flat in T). A memory plan (:func:`mixedad.profiling.plan`) made inside the block plans those blocks.
 
