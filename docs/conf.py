@@ -51,10 +51,27 @@ def _op_paths_table():
     return "\n".join(rows) + "\n"
 
 
+def _program_coverage():
+    """What a tangent program covers, generated from the programs' tables (mixedad._programs.rules)."""
+    from mixedad._programs.rules import FUNCTIONS, METHODS, MODULES
+
+    def names(items):
+        return ", ".join(f"`{n}`" for n in sorted(set(items)))
+
+    layers = names(f"nn.{cls.__name__}" for cls in MODULES)
+    functions = names(op_name(fn) if not getattr(fn, "__module__", "") == "_operator" else f"operator.{fn.__name__}"
+                      for fn in FUNCTIONS)
+    methods = names(f"Tensor.{name}" for name in METHODS)
+    return (f"- **Layers** ({len(set(MODULES))}): {layers}\n"
+            f"- **Functions** ({len(set(FUNCTIONS))}): {functions}\n"
+            f"- **Tensor methods** ({len(set(METHODS))}): {methods}\n")
+
+
 def _generate(app):
     generated = HERE / "_generated"
     generated.mkdir(exist_ok=True)
     (generated / "op_paths_table.md").write_text(_op_paths_table())
+    (generated / "program_coverage.md").write_text(_program_coverage())
     # The benchmarks' tables, as their scripts last wrote them (tangent_speed.py, attention_vs_length.py,
     # many_tangents.py, jax_compare.py, float32_kinks.py): never copied by hand, so never stale.
     for table in ("tangent_speed_cpu.md", "attention_cpu.md", "many_tangents_cpu.md", "jax_compare_cpu.md",

@@ -148,3 +148,16 @@ def test_the_op_paths_page_shows_the_generated_table_of_exactly_the_tables_paths
     rows = {row.split(" | ")[0].strip("| `"): row for row in table.splitlines()[2:]}
     for func, rule in mixedad.op_rules.TABLE.items():
         assert f"`{mixedad.op_rules.op_name(func)}`" in rows[_label(rule.path)], (func, rule.path)
+
+
+def test_the_op_paths_page_lists_what_programs_cover_generated_from_their_tables():
+    from mixedad._programs.rules import FUNCTIONS, METHODS, MODULES
+
+    spec = importlib.util.spec_from_file_location("docs_conf", ROOT / "docs" / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    coverage = conf._program_coverage()
+    assert all(f"`nn.{cls.__name__}`" in coverage for cls in MODULES)
+    assert all(f"`Tensor.{name}`" in coverage for name in METHODS)
+    assert f"**Functions** ({len(set(FUNCTIONS))})" in coverage
+    assert "```{include} _generated/program_coverage.md" in (ROOT / "docs" / "op_paths.md").read_text()
