@@ -87,8 +87,10 @@ class CompiledTangent:
     Attributes:
         inputs: ``(shape, dtype)`` of each input of G.
         tangents: 1 for mixed_grad and input_grad, k for a batch of k (mixed_jacobian).
-        status: "compiled" (checked against eager and in use) or "eager" (see ``reason``).
-        reason: why this key runs eager; empty when compiled.
+        status: "compiled" (compiled, checked against the per-op pass, and in use), "program" (the default's
+            program, run without a compiler: checked and in use) or "eager" (the key runs mixedad's per-op pass:
+            see ``reason``).
+        reason: why this key runs the per-op pass; empty otherwise.
         compile_seconds: time of the first compiled call (compiling included), or None.
         difference: the check's largest relative difference from the eager pass, or None.
 
@@ -347,7 +349,7 @@ def runs_program(G, zs, vs):
         key, _ = key_of(G, zs, vs, 0)
     with _LOCK:
         entry = _EAGER.get(G, {}).get(key)
-    return entry is not None and entry.status == "compiled"
+    return entry is not None and entry.status != "eager"
 
 
 def _entry(cache, G, key, held, zs, batch, evicted=None):
@@ -384,7 +386,7 @@ def _settle(cache, G, zs, vs, batch, key, entry, result):
 
 def _run(call, G, zs, vs, eager_push, entry):
     """A later call of a key: its program, or the eager pass where it has none."""
-    if entry.status != "compiled":
+    if entry.status == "eager":
         return eager_push()
     try:
         with torch.no_grad():
@@ -394,6 +396,11 @@ def _run(call, G, zs, vs, eager_push, entry):
                                    f"{type(error).__name__}: {error}")
         return eager_push()
     return list(primals), list(tangents), entry.spec
+
+
+def _in_use(entry):
+    """The status of a program that passed its check: "compiled" where the compiler made it, else "program"."""
+    return "compiled" if entry.compiled else "program"
 
 
 def _fall_back(call, G, entry, reason, warn=True):
@@ -421,7 +428,7 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
         return eager_push()
     entry.program = program
     if not check:
-        entry.spec, entry.status, entry.run = program.spec, "compiled", _program_fn(entry, batch, len(zs))
+        entry.spec, entry.status, entry.run = program.spec, _in_use(entry), _program_fn(entry, batch, len(zs))
         return _run(call, G, zs, vs, eager_push, entry)
     if not compile:
         return _check_one_pass_at_a_time(call, G, zs, vs, eager_push, entry)
@@ -456,7 +463,7 @@ def _first_call(call, G, zs, vs, eager_push, entry, batch, compile, check=True):
         _fall_back(call, G, entry, f"the compiled tangent program differs from the eager pass (largest relative "
                                    f"difference {difference:.3g}, tolerance {tolerance:g}): {culprit}")
     else:
-        entry.status, entry.run = "compiled", run
+        entry.status, entry.run = _in_use(entry), run
         print(f"mixedad: compiled in {entry.compile_seconds:.1f} s; matches the eager pass (largest relative "
               f"difference {difference:.1e}).", file=sys.stderr, flush=True)
     return g_leaves, tangent_leaves, spec
@@ -525,7 +532,7 @@ def _check_one_pass_at_a_time(call, G, zs, vs, eager_push, entry):
                                    f"difference {difference:.3g}, tolerance {tolerance:g}): mixedad's program is "
                                    f"wrong here; please report it with G's code")
     else:
-        entry.status, entry.run = "compiled", run
+        entry.status, entry.run = _in_use(entry), run
     return g_leaves, tangent_leaves, spec
 
 

@@ -81,7 +81,7 @@ def test_every_zoo_generator_by_the_default_equals_double_backward_call_after_ca
             assert torch.equal(mine, theirs), f"call {call + 1}: buffer {key}"
     if name in WITH_PROGRAM:
         [entry] = compiled._EAGER[G].values()
-        assert entry.status == "compiled", entry.reason
+        assert entry.status == "program", entry.reason
     else:
         assert G not in compiled._EAGER  # not an nn.Sequential: no key, no program
 
@@ -110,10 +110,10 @@ def test_the_first_call_writes_nothing_the_second_checks_and_later_ones_run_the_
     mixedad.mixed_grad(f, G, z, y, v)
     assert writes == [1] and runs == []
     [entry] = compiled._EAGER[G].values()
-    assert entry.status == "compiled" and entry.difference <= 1e-12 and not entry.compiled
+    assert entry.status == "program" and entry.difference <= 1e-12 and not entry.compiled
     mixedad.mixed_grad(f, G, z, y, v)
     mixedad.mixed_grad(f, G, z, y, v)
-    assert writes == [1] and runs == ["compiled", "compiled"]
+    assert writes == [1] and runs == ["program", "program"]
     z2, y2, v2 = _problem(G, batch=5)  # new layouts: the per-op pass first again
     mixedad.mixed_grad(f, G, z2, y2, v2)
     assert writes == [1]
@@ -152,7 +152,7 @@ def test_a_program_on_an_ill_conditioned_g_equals_the_per_op_pass_bit_for_bit():
         warnings.simplefilter("error", RuntimeWarning)
         second = mixedad.mixed_grad(f, G, z, y, v)
     [entry] = compiled._EAGER[G].values()
-    assert entry.status == "compiled" and entry.difference == 0.0
+    assert entry.status == "program" and entry.difference == 0.0
     third = mixedad.mixed_grad(f, G, z, y, v)
     assert torch.equal(second, first) and torch.equal(third, first)
 
@@ -252,7 +252,7 @@ def test_the_program_peak_is_flat_in_depth_and_no_higher_than_the_per_op_pass():
                 for _ in range(2):
                     mixedad.mixed_grad(objective, G, z, y, v)
                 [entry] = compiled._EAGER[G].values()
-                assert entry.status == "compiled", (model, entry.reason)
+                assert entry.status == "program", (model, entry.reason)
                 _, program = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
                 assert program <= per_op, (model, depth, mode, program, per_op)
                 peaks[depth, mode] = program
@@ -272,7 +272,7 @@ def test_per_op_pass_keeps_programs_out_and_ends_with_its_block_even_on_error():
     for _ in range(2):  # outside, a first call and a second that writes and checks the program
         mixedad.mixed_grad(f, G, z, y, v)
     [entry] = compiled._EAGER[G].values()
-    assert entry.status == "compiled"
+    assert entry.status == "program"
 
 
 def test_a_submodule_switched_to_eval_gets_its_program_after_all():
@@ -285,7 +285,7 @@ def test_a_submodule_switched_to_eval_gets_its_program_after_all():
     G[1].eval()
     for _ in range(3):
         ours = mixedad.mixed_grad(f, G, z, y, v)
-    assert "compiled" in [e.status for e in compiled._EAGER[G].values()]
+    assert "program" in [e.status for e in compiled._EAGER[G].values()]
     assert torch.allclose(ours, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-12, atol=0)
 
 
@@ -369,7 +369,7 @@ def test_the_default_writes_programs_for_sequential_chains_of_torch_layers_only(
             continue
         [entry] = compiled._EAGER[G].values()
         if reason is None:
-            assert entry.status == "compiled", entry.reason
+            assert entry.status == "program", entry.reason
         else:
             assert entry.status == "eager" and reason in entry.reason
 
@@ -409,7 +409,7 @@ def test_a_float32_chain_computes_its_primal_as_a_plain_forward_within_the_per_o
         for _ in range(2):
             mixedad.mixed_grad(objective, G, z, y, v)
         [entry] = compiled._EAGER[G].values()
-        assert entry.status == "compiled" and entry.difference <= 1e-6
+        assert entry.status == "program" and entry.difference <= 1e-6
         if mode == "eval":  # a train-mode forward moves the running statistics: not repeated here
             with torch.no_grad():
                 (primal,), _ = entry.run(z, v)
