@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-from mixedad._hooks.compiled import compiling, original_of
+from mixedad._hooks.torch_compile import compiling, original_of
 from mixedad._hooks.pytree import tree_leaves, tree_map
 
 _eager = {}

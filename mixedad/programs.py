@@ -19,6 +19,6 @@ Example:
     >>> mixedad.programs.compiled_tangents(G)
     []
 """
-from mixedad._programs.compiled import CompiledTangent, compiled_tangents, per_op_pass
+from mixedad._programs.cache import CompiledTangent, compiled_tangents, per_op_pass
 
 __all__ = ["CompiledTangent", "compiled_tangents", "per_op_pass"]

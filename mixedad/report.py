@@ -17,7 +17,7 @@ from mixedad._entry import eager
 from mixedad._frontend.batched import push_under_vmap
 from mixedad._frontend.tangents import push_tangent
 from mixedad._hooks.functorch import in_functorch_transform
-from mixedad._programs.compiled import runs_program
+from mixedad._programs.cache import runs_program
 
 __all__ = ["TangentReport", "tangent_report"]
 

@@ -182,7 +182,7 @@ def test_a_float32_eval_dcgan_on_cuda_keeps_a_tangent_program_equal_to_the_per_o
     """Under TF32 (CUDA's default for convolutions) a program that folded batch norms into its primal lay several
     percent from the per-op pass on an H200, 1.7e-3 to 2.5e-3 without: a program's primal is now G's own calls, the
     per-op pass's kernels, so every kink falls alike."""
-    from mixedad._programs import compiled
+    from mixedad._programs import cache
 
     flags = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = tf32
@@ -196,7 +196,7 @@ def test_a_float32_eval_dcgan_on_cuda_keeps_a_tangent_program_equal_to_the_per_o
         outputs = [mixedad.mixed_grad(cubic, G, z, y, v) for _ in range(3)]  # the second checks, the third runs it
     finally:
         torch.backends.cudnn.allow_tf32 = flags
-    [entry] = compiled._EAGER[G].values()
+    [entry] = cache._EAGER[G].values()
     print(f"\n  tf32={tf32}: program kept: {entry.status}, difference {entry.difference:.3g}", end="")
     assert entry.status == "compiled", entry.reason
     assert_close(outputs[2], per_op, rtol=1e-3, atol=1e-3 * per_op.abs().max().item())

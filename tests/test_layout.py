@@ -169,10 +169,10 @@ def test_the_layer_checks_find_an_upward_import_and_a_cycle():
     assert _upward({"mixedad.op_rules._dispatch": {"mixedad._frontend.tangents": 7}}) == [
         "mixedad.op_rules._dispatch (layer 2) imports mixedad._frontend.tangents (layer 4), line 7"]
     assert not _upward({"mixedad._frontend.tangents": {"mixedad.op_rules._dispatch": 7}})
-    loop = {"mixedad._frontend.tangents": {"mixedad._programs.compiled": 1},
-            "mixedad._programs.compiled": {"mixedad._programs.trace": 1},
+    loop = {"mixedad._frontend.tangents": {"mixedad._programs.cache": 1},
+            "mixedad._programs.cache": {"mixedad._programs.trace": 1},
             "mixedad._programs.trace": {"mixedad._frontend.tangents": 1}, "mixedad._hooks.dispatch": {}}
-    assert _cycles(loop) == [["mixedad._frontend.tangents", "mixedad._programs.compiled", "mixedad._programs.trace"]]
+    assert _cycles(loop) == [["mixedad._frontend.tangents", "mixedad._programs.cache", "mixedad._programs.trace"]]
     graph = _import_graph()  # the real graph holds both ends of each layer
     assert "mixedad._hooks.dual_level" in graph["mixedad.op_rules._dispatch"]
     assert _layer_of("mixedad") == len(LAYERS) - 1 and _layer_of("mixedad._hooks.dispatch") == 0

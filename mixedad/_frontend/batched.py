@@ -31,7 +31,7 @@ import functools
 import torch
 
 from mixedad._ground.nesting import one_pass
-from mixedad._programs.compiled import push_compiled
+from mixedad._programs.cache import push_compiled
 from mixedad._ground import random_state
 from mixedad._ground.state import Snapshot, torch_layers_only
 from mixedad._ground.inputs import PassInputs
@@ -58,7 +58,7 @@ def push_tangents(call, G, zs, vs, *, recorder=None, compile=False):
         vs: one tensor per primal, each of shape ``(k, *z.shape)``: the k tangents.
         recorder: None, or a :class:`mixedad.op_rules.PathRecorder`.
         compile: run the batch through G's compiled tangent program (``torch.vmap`` of it over the
-            tangents; :mod:`mixedad._programs.compiled`), checked against this pass on first use.
+            tangents; :mod:`mixedad._programs.cache`), checked against this pass on first use.
 
     Returns:
         ``(g_leaves, tangent_leaves, spec)``: G's flattened output, the tangents of each leaf with

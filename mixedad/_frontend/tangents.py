@@ -45,7 +45,7 @@ from mixedad._ground.grad_mode import ReadGradMode
 from mixedad._ground.nesting import one_pass
 from mixedad._ground.inputs import PassInputs, writable
 from mixedad._ground.state import Snapshot
-from mixedad._programs.compiled import push_compiled, push_program
+from mixedad._programs.cache import push_compiled, push_program
 from mixedad._hooks.attention_backends import differentiable_attention
 from mixedad._hooks.function_apply import routing
 from mixedad._hooks.functorch import in_functorch_transform
@@ -232,7 +232,7 @@ def push_tangent(call, G, zs, vs, *, strategy="auto", recorder=None, cotangent=N
             which path.
         cotangent: None (u = 1 is good enough: the report), or ``cotangent(g_leaves, spec)``
             returning :math:`\nabla_g f(y, g)` per leaf, for G whose backward is not linear.
-        compile: run G's compiled tangent program (:mod:`mixedad._programs.compiled`), checked
+        compile: run G's compiled tangent program (:mod:`mixedad._programs.cache`), checked
             against this eager pass on its first call, and falling back to it where none runs.
         snapshot: None, or a :class:`~mixedad._ground.state.Snapshot` that records G's state as it is now (a
             replay that has just restored it), which a restart of the pass restores, instead of a new one.

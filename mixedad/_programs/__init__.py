@@ -3,12 +3,12 @@
 Where G's forward can be traced in full (``torch.fx``, with the inputs' shapes) and every op
 whose input carries a tangent has a rule here, mixedad writes one program that computes G(z) and
 its tangent together, from G's own calls and the tangent rules of
-:mod:`mixedad._programs.tangents`. ``mixed_grad`` and ``input_grad``'s backward run it eagerly
+:mod:`mixedad._programs.functions`. ``mixed_grad`` and ``input_grad``'s backward run it eagerly
 where G is an ``nn.Sequential`` chain of ``torch.nn`` layers (written from the layers, without a
 trace), from the third call with the same inputs' layouts, after checking it against mixedad's
 per-op pass on the second; ``compile=True`` (on ``mixed_grad``, ``input_grad`` and ``mixed_jacobian``) compiles
 it with ``torch.compile``, checks it on its first call, and runs it from then on
-(:mod:`mixedad._programs.compiled`).
+(:mod:`mixedad._programs.cache`).
 
 What a program covers: ``nn.Linear``, convolutions and transposed convolutions (frozen),
 batch norm (eval and training), instance, group and layer norm, pointwise activations (ReLU,
@@ -23,8 +23,8 @@ autocast switched inside G, hooks, random draws, in-place writes, a forward that
 attributes or writes into its buffers, and control flow on values.
 
 Layout: :mod:`~mixedad._programs.trace` (the trace and what it refuses),
-:mod:`~mixedad._programs.rules` (node -> tangent), :mod:`~mixedad._programs.tangents` (the
+:mod:`~mixedad._programs.rules` (node -> tangent), :mod:`~mixedad._programs.functions` (the
 functions a program calls), :mod:`~mixedad._programs.program` (writing it),
 :mod:`~mixedad._programs.key` (what a program is written for),
-:mod:`~mixedad._programs.compiled` (running, compiling, checking, caching, falling back).
+:mod:`~mixedad._programs.cache` (running, compiling, checking, caching, falling back).
 """

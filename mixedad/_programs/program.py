@@ -12,7 +12,7 @@ from torch.fx.node import map_aggregate, map_arg
 from mixedad._hooks.pytree import tree_flatten
 
 from mixedad._hooks.meta_trace import DTYPE
-from mixedad._programs import tangents as T
+from mixedad._programs import functions as T
 from mixedad._programs.rules import (FRESH_MODULES, FUNCTIONS, METHODS, NOT_TENSORS, Emit, Missing, carries, describe, draws,
                                      module_rule, no_rule, writes_in_place)
 from mixedad._programs.rules import Unsupported

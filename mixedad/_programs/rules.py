@@ -1,7 +1,7 @@
 """Which node of G's traced graph gets which tangent, when the program is written.
 
 Each rule takes the :class:`Emit` of one node (the primal node already written) and writes the
-node(s) that compute its tangent, calling :mod:`mixedad._programs.tangents`. A node whose inputs
+node(s) that compute its tangent, calling :mod:`mixedad._programs.functions`. A node whose inputs
 carry no tangent is copied as it is and has none. A node with a tangent input and no rule here
 makes the whole program :class:`Unsupported` (G then runs on mixedad's
 per-op pass): a program never guesses.
@@ -15,7 +15,7 @@ from torch import nn
 
 from mixedad._ground.fingerprints import own_attributes
 from mixedad._hooks.meta_trace import NDIM
-from mixedad._programs import tangents as T
+from mixedad._programs import functions as T
 
 __all__ = ["MODULES", "FUNCTIONS", "METHODS", "NOT_TENSORS", "Emit", "Missing", "Unsupported", "carries", "draws",
            "module_rule", "no_rule", "writes_in_place"]

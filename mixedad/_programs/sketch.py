@@ -1,6 +1,6 @@
 r"""Comparing two passes' outputs with one pass's outputs alive at a time: random projections per leaf.
 
-The default's check (:func:`mixedad._programs.compiled.push_program`) runs G's program, keeps a sketch of each
+The default's check (:func:`mixedad._programs.cache.push_program`) runs G's program, keeps a sketch of each
 output leaf (its sum of squares and :data:`PROJECTIONS` random projections) and lets the leaves go, then runs the
 per-op pass from the same state and sketches its leaves the same way. Holding both passes' outputs at once would
 cost their size on top of the larger pass's peak (docs/performance.md, "Measurements behind the design"); a sketch costs a few numbers, and the pieces it converts while it reads a leaf are at most 1/64 of
@@ -120,7 +120,7 @@ def differs(program, per_op, floor: float, *, round_off: float, cap: float) -> f
 
         \max_i \widehat{\lVert a_i - b_i \rVert} / \lVert b_i \rVert
 
-    As :func:`mixedad._programs.compiled._differs` compares whole tensors: None matches None or zeros; leaves that are
+    As :func:`mixedad._programs.cache._differs` compares whole tensors: None matches None or zeros; leaves that are
     no tensor must be equal; other dtypes than floating point must be equal (their sketches alike); leaves whose root
     mean square both lie below ``round_off`` epsilons of ``floor`` (the eager one also below ``cap`` times ``floor``)
     match; NaN is inf.

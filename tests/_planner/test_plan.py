@@ -337,7 +337,7 @@ def test_a_plan_covers_the_first_three_calls_of_the_default_route(name, objectiv
     against the per-op pass, and held both passes' outputs (and float64 copies of them) at once: 1.1x the plan with
     the cubic objective, 1.9x with the linear one. The check now keeps a sketch of the program's outputs only
     (mixedad._programs.sketch), so the per-op pass's peak, the plan's, bounds every call."""
-    from mixedad._programs import compiled
+    from mixedad._programs import cache
 
     fn = OBJECTIVES[objective]
     G = CHAINS[name]().requires_grad_(False)
@@ -346,7 +346,7 @@ def test_a_plan_covers_the_first_three_calls_of_the_default_route(name, objectiv
         y = torch.randn(G(z).shape, generator=torch.Generator().manual_seed(1))
     planned = plan(fn, G, z, y, device="cpu", methods=("mixed_grad",)).peaks["mixed_grad"]
     measured = [peak_memory(PLAN_METHODS["mixed_grad"], fn, G, (z,), y)[1] for _ in range(3)]
-    [entry] = compiled._EAGER[G].values()
+    [entry] = cache._EAGER[G].values()
     assert entry.status == "program", entry.reason  # the third call ran the program
     assert abs(planned - measured[0]) <= 0.02 * measured[0]
     assert all(planned >= m for m in measured), (planned, measured)

@@ -1,7 +1,7 @@
 """The default's tangent programs (``mixed_grad`` without ``compile=True``): the route, and every seam case.
 
 The default runs G's tangent program eagerly from the third call with the same inputs' layouts
-(:func:`mixedad._programs.compiled.push_program`), after checking it once against the per-op pass.
+(:func:`mixedad._programs.cache.push_program`), after checking it once against the per-op pass.
 Here each seam case of ``tests/test_seams.py`` and ``tests/test_seams_more.py`` runs with programs
 written and run from the first call, unchecked (``programs_unchecked``): the cases whose G is an
 ``nn.Sequential`` chain of ``torch.nn`` layers with rules run through the program, so that its own
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixedad
-from mixedad._programs import compiled, rules
-from mixedad._programs.compiled import programs_unchecked
+from mixedad._programs import cache, rules
+from mixedad._programs.cache import programs_unchecked
 from mixedad.reference import double_backward_mixed_grad
 from tests import test_seams, test_seams_more
 from tests._programs.common import D, f
@@ -80,21 +80,21 @@ def test_every_zoo_generator_by_the_default_equals_double_backward_call_after_ca
         for (key, mine), theirs in zip(G.state_dict().items(), twin.state_dict().values()):
             assert torch.equal(mine, theirs), f"call {call + 1}: buffer {key}"
     if name in WITH_PROGRAM:
-        [entry] = compiled._EAGER[G].values()
+        [entry] = cache._EAGER[G].values()
         assert entry.status == "program", entry.reason
     else:
-        assert G not in compiled._EAGER  # not an nn.Sequential: no key, no program
+        assert G not in cache._EAGER  # not an nn.Sequential: no key, no program
 
 
 def _counting_runs(monkeypatch):
     runs = []
-    real = compiled._run
+    real = cache._run
 
     def counted(call, G, zs, vs, eager_push, entry):
         runs.append(entry.status)
         return real(call, G, zs, vs, eager_push, entry)
 
-    monkeypatch.setattr(compiled, "_run", counted)
+    monkeypatch.setattr(cache, "_run", counted)
     return runs
 
 
@@ -102,14 +102,14 @@ def test_the_first_call_writes_nothing_the_second_checks_and_later_ones_run_the_
     G = mixedad.zoo.mlp(3, 8, dtype=D)
     z, y, v = _problem(G)
     writes = []
-    real_write = compiled.write
-    monkeypatch.setattr(compiled, "write", lambda *a, **k: writes.append(1) or real_write(*a, **k))
+    real_write = cache.write
+    monkeypatch.setattr(cache, "write", lambda *a, **k: writes.append(1) or real_write(*a, **k))
     runs = _counting_runs(monkeypatch)
     mixedad.mixed_grad(f, G, z, y, v)
-    assert writes == [] and G not in compiled._EAGER
+    assert writes == [] and G not in cache._EAGER
     mixedad.mixed_grad(f, G, z, y, v)
     assert writes == [1] and runs == []
-    [entry] = compiled._EAGER[G].values()
+    [entry] = cache._EAGER[G].values()
     assert entry.status == "program" and entry.difference <= 1e-12 and not entry.compiled
     mixedad.mixed_grad(f, G, z, y, v)
     mixedad.mixed_grad(f, G, z, y, v)
@@ -129,7 +129,7 @@ def test_a_program_that_differs_from_the_per_op_pass_is_dropped_with_a_warning(m
         second = mixedad.mixed_grad(f, G, z, y, v)
     third = mixedad.mixed_grad(f, G, z, y, v)
     assert torch.equal(second, per_op) and torch.equal(third, per_op)
-    [entry] = compiled._EAGER[G].values()
+    [entry] = cache._EAGER[G].values()
     assert entry.status == "eager"
 
 
@@ -151,7 +151,7 @@ def test_a_program_on_an_ill_conditioned_g_equals_the_per_op_pass_bit_for_bit():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         second = mixedad.mixed_grad(f, G, z, y, v)
-    [entry] = compiled._EAGER[G].values()
+    [entry] = cache._EAGER[G].values()
     assert entry.status == "program" and entry.difference == 0.0
     third = mixedad.mixed_grad(f, G, z, y, v)
     assert torch.equal(second, first) and torch.equal(third, first)
@@ -182,7 +182,7 @@ def test_a_wrong_program_is_dropped_where_round_off_is_large(monkeypatch, bug):
     monkeypatch.setitem(rules.MODULES, module, rule)
     with pytest.warns(RuntimeWarning, match="tangent program differs from mixedad's per-op pass .*please report"):
         mixedad.mixed_grad(f, G, z, y, v)
-    [entry] = compiled._EAGER[G].values()
+    [entry] = cache._EAGER[G].values()
     assert entry.status == "eager"
 
 
@@ -190,7 +190,7 @@ def test_a_program_that_raises_later_falls_back_to_the_per_op_pass_with_a_warnin
     G = mixedad.zoo.mlp(3, 8, dtype=D)
     z, y, v = _problem(G)
     per_op = [mixedad.mixed_grad(f, G, z, y, v) for _ in range(2)][0]
-    [entry] = compiled._EAGER[G].values()
+    [entry] = cache._EAGER[G].values()
 
     def broken(*args):
         raise RuntimeError("broken on purpose")
@@ -216,10 +216,10 @@ def test_a_forward_that_writes_its_buffer_gets_no_program_and_stays_exact(reassi
         assert torch.allclose(ours, reference, rtol=1e-12, atol=0), f"call {call + 1}"
         assert G.calls.item() == call + 1
     if compile:  # G's code traced, and the write refused (reassigned: a new buffer, a new key each call)
-        entries = compiled._CACHE[G].values()
+        entries = cache._CACHE[G].values()
         assert entries and all(e.status == "eager" and "calls" in e.reason for e in entries)
     else:  # the default writes programs for nn.Sequential chains of torch.nn layers only
-        assert G not in compiled._EAGER
+        assert G not in cache._EAGER
 
 
 @pytest.mark.filterwarnings("ignore:mixedad. mixed_grad.* with compile=True runs eager")
@@ -251,7 +251,7 @@ def test_the_program_peak_is_flat_in_depth_and_no_higher_than_the_per_op_pass():
                     _, per_op = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
                 for _ in range(2):
                     mixedad.mixed_grad(objective, G, z, y, v)
-                [entry] = compiled._EAGER[G].values()
+                [entry] = cache._EAGER[G].values()
                 assert entry.status == "program", (model, entry.reason)
                 _, program = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
                 assert program <= per_op, (model, depth, mode, program, per_op)
@@ -266,12 +266,12 @@ def test_per_op_pass_keeps_programs_out_and_ends_with_its_block_even_on_error():
     with mixedad.programs.per_op_pass():
         for _ in range(3):
             mixedad.mixed_grad(f, G, z, y, v)
-    assert G not in compiled._EAGER
+    assert G not in cache._EAGER
     with pytest.raises(ZeroDivisionError), mixedad.programs.per_op_pass():
         1 / 0
     for _ in range(2):  # outside, a first call and a second that writes and checks the program
         mixedad.mixed_grad(f, G, z, y, v)
-    [entry] = compiled._EAGER[G].values()
+    [entry] = cache._EAGER[G].values()
     assert entry.status == "program"
 
 
@@ -281,21 +281,21 @@ def test_a_submodule_switched_to_eval_gets_its_program_after_all():
     z, v, y = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
     for _ in range(3):
         mixedad.mixed_grad(f, G, z, y, v)
-    assert [e.status for e in compiled._EAGER[G].values()] == ["eager"]
+    assert [e.status for e in cache._EAGER[G].values()] == ["eager"]
     G[1].eval()
     for _ in range(3):
         ours = mixedad.mixed_grad(f, G, z, y, v)
-    assert "program" in [e.status for e in compiled._EAGER[G].values()]
+    assert "program" in [e.status for e in cache._EAGER[G].values()]
     assert torch.allclose(ours, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-12, atol=0)
 
 
 def test_the_layouts_seen_per_G_are_bounded(monkeypatch):
-    monkeypatch.setattr(compiled, "MAX_SEEN", 3)
+    monkeypatch.setattr(cache, "MAX_SEEN", 3)
     G = mixedad.zoo.mlp(2, 4, dtype=D)
     for batch in range(1, 7):
         z = torch.randn(batch, 4, dtype=D)
         mixedad.mixed_grad(f, G, z, z, z)
-    assert len(compiled._SEEN[G]) == 3
+    assert len(cache._SEEN[G]) == 3
 
 
 @pytest.mark.filterwarnings("ignore:mixedad. mixed_grad.* with compile=True runs eager")
@@ -365,9 +365,9 @@ def test_the_default_writes_programs_for_sequential_chains_of_torch_layers_only(
             ours = mixedad.mixed_grad(f, G, z, y, v)
             assert torch.allclose(ours, double_backward_mixed_grad(f, G, z, y, v), rtol=1e-12, atol=0)
         if reason == "no key":  # a subclass may do more in its forward: not even a key is computed
-            assert G not in compiled._EAGER
+            assert G not in cache._EAGER
             continue
-        [entry] = compiled._EAGER[G].values()
+        [entry] = cache._EAGER[G].values()
         if reason is None:
             assert entry.status == "program", entry.reason
         else:
@@ -391,7 +391,7 @@ def test_meta_inputs_take_the_per_op_pass():
     z, y, v = (torch.empty(3, 4, device="meta") for _ in range(3))
     for _ in range(3):
         assert mixedad.mixed_grad(f, G, z, y, v).device.type == "meta"
-    assert G not in compiled._EAGER
+    assert G not in cache._EAGER
 
 
 def test_a_float32_chain_computes_its_primal_as_a_plain_forward_within_the_per_op_pass_memory():
@@ -408,7 +408,7 @@ def test_a_float32_chain_computes_its_primal_as_a_plain_forward_within_the_per_o
             _, per_op = peak_memory(lambda: mixedad.mixed_grad(objective, G, z, y, v))
         for _ in range(2):
             mixedad.mixed_grad(objective, G, z, y, v)
-        [entry] = compiled._EAGER[G].values()
+        [entry] = cache._EAGER[G].values()
         assert entry.status == "program" and entry.difference <= 1e-6
         if mode == "eval":  # a train-mode forward moves the running statistics: not repeated here
             with torch.no_grad():

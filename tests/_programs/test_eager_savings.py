@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import mixedad
-from mixedad._programs import compiled
-from mixedad._programs import tangents as T
+from mixedad._programs import cache
+from mixedad._programs import functions as T
 from mixedad.reference import double_backward_mixed_grad
 from tests._programs.common import D, f
 
@@ -26,7 +26,7 @@ def _program_calls(G, z, y, v):
         assert (ours - reference).abs().max() <= 1e-9 * reference.abs().max(), f"call {call + 1}"
         for (key, mine), theirs in zip(G.state_dict().items(), twin.state_dict().values()):
             assert torch.equal(mine, theirs), f"call {call + 1}: buffer {key}"
-    [entry] = compiled._EAGER[G].values()
+    [entry] = cache._EAGER[G].values()
     assert entry.status == "program", entry.reason
     return entry
 
@@ -157,17 +157,17 @@ def test_the_check_sees_a_dropped_or_scaled_tangent_in_every_dtype(dtype):
     a dropped tangent (difference 1) or a wrong scale is never taken for round-off."""
     gen = torch.Generator().manual_seed(0)
     eager, inputs = torch.randn(100, generator=gen).to(dtype), torch.randn(10, generator=gen).to(dtype)
-    assert compiled._differs([torch.zeros_like(eager)], [eager], [inputs]) == 1.0
-    assert compiled._differs([eager * 1.5], [eager], [inputs]) == pytest.approx(0.5, abs=1e-2)
-    assert compiled._differs([eager], [eager], [inputs]) == 0.0
+    assert cache._differs([torch.zeros_like(eager)], [eager], [inputs]) == 1.0
+    assert cache._differs([eager * 1.5], [eager], [inputs]) == pytest.approx(0.5, abs=1e-2)
+    assert cache._differs([eager], [eager], [inputs]) == 0.0
     tiny = eager * 1e-6  # zero in exact arithmetic, computed: round-off either way
-    assert compiled._differs([tiny], [-tiny], [inputs]) == 0.0
+    assert cache._differs([tiny], [-tiny], [inputs]) == 0.0
     # The eager pass's exact zero against a program's round-off of it (a bfloat16 batch norm over the batch with a
     # large scale): round-off, up to the uncapped floor; the reverse, a program's zero against a tangent, never.
     noise = eager * 5e-2
-    against_zero = compiled._differs([noise], [torch.zeros_like(eager)], [inputs])
+    against_zero = cache._differs([noise], [torch.zeros_like(eager)], [inputs])
     assert against_zero > 1 if dtype == torch.float32 else against_zero == 0.0  # float32: 5e-2 is no round-off
-    assert compiled._differs([torch.zeros_like(eager)], [noise], [inputs]) == 1.0
+    assert cache._differs([torch.zeros_like(eager)], [noise], [inputs]) == 1.0
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -182,8 +182,8 @@ def test_a_reduced_precision_chain_takes_its_program_within_the_round_off_of_its
     for call in range(3):
         ours = mixedad.mixed_grad(f, G, z.to(dtype), y.to(dtype), v.to(dtype))
         assert ((ours.to(D) - reference).norm() / reference.norm()).item() < 0.15, call
-    [entry] = compiled._EAGER[G].values()
-    assert entry.status == "program" and entry.difference < compiled._EAGER_REDUCED, entry
+    [entry] = cache._EAGER[G].values()
+    assert entry.status == "program" and entry.difference < cache._EAGER_REDUCED, entry
     assert "conv_batch_norm_eval" in _targets(entry)
 
 
@@ -197,7 +197,7 @@ def test_a_tangent_zero_in_exact_arithmetic_in_bfloat16_keeps_its_program():
     z, y = (torch.randn(16, 20) * 0.1).to(torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
     for _ in range(3):
         mixedad.mixed_grad(lambda y, g: (y * g).sum(), G, z, y)
-    [entry] = compiled._EAGER[G].values()
+    [entry] = cache._EAGER[G].values()
     assert entry.status == "program", entry.reason
 
 
@@ -223,6 +223,6 @@ def test_an_eval_batch_norm_before_a_train_mode_one_keeps_its_primal_and_the_run
         assert (ours - reference).abs().max() <= 1e-9 * reference.abs().max(), call
         for (key, mine), theirs in zip(G.state_dict().items(), twin.state_dict().values()):
             assert torch.equal(mine, theirs), f"call {call + 1}: buffer {key}"
-    [entry] = compiled._EAGER[G].values()
+    [entry] = cache._EAGER[G].values()
     assert entry.status == "program"
     assert "conv_batch_norm_eval" in _targets(entry) and "relu_in_place" in _targets(entry)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixedad
-from mixedad._programs import compiled
+from mixedad._programs import cache
 from mixedad.reference import double_backward_mixed_grad
 from tests._programs.common import D, f
 from tests._programs.common import problem as _problem
@@ -69,7 +69,7 @@ def test_a_compiler_that_drops_a_tangent_is_caught_and_eager_runs(monkeypatch):
             return primals, tuple(torch.zeros_like(t) for t in tangents)
         return run
 
-    monkeypatch.setattr(compiled, "_compile", dropping)
+    monkeypatch.setattr(cache, "_compile", dropping)
     G = _mlp()
     z, y, v = _problem(G)
     eager = mixedad.mixed_grad(f, G, z, y, v)
@@ -85,7 +85,7 @@ def test_a_compile_that_fails_falls_back_with_a_warning(monkeypatch):
     def failing(entry, batch, n):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(compiled, "_compile", failing)
+    monkeypatch.setattr(cache, "_compile", failing)
     G = _mlp()
     z, y, v = _problem(G)
     with pytest.warns(RuntimeWarning, match="torch.compile failed.*no C\\+\\+ compiler"):
@@ -373,7 +373,7 @@ def test_shapes_read_as_ndim_and_numel_and_defaults_of_forward_are_fixed():
 
 
 def test_programs_per_g_are_capped_least_recently_used_first(monkeypatch):
-    monkeypatch.setattr(compiled, "MAX_PROGRAMS", 2)
+    monkeypatch.setattr(cache, "MAX_PROGRAMS", 2)
     G = _mlp()
     problems = [_problem(G, batch=b) for b in (2, 3, 4)]
     for z, y, v in problems[:2]:

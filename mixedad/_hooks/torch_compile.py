@@ -1,6 +1,6 @@
 """``torch.compile``: the eager G behind a compiled one, and whether dynamo is tracing now.
 
-What this relies on in torch (pinned by ``tests/_hooks/test_compiled.py``): a compiled module
+What this relies on in torch (pinned by ``tests/_hooks/test_torch_compile.py``): a compiled module
 keeps its original as ``_orig_mod``, and a compiled function as ``_torchdynamo_orig_callable``;
 ``torch.compiler.is_compiling()`` is True while dynamo traces.
 """

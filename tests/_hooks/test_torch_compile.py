@@ -1,8 +1,8 @@
-"""Pins for mixedad._hooks.compiled: where torch.compile keeps the original (nothing is compiled here)."""
+"""Pins for mixedad._hooks.torch_compile: where torch.compile keeps the original (nothing is compiled here)."""
 import torch
 from torch import nn
 
-from mixedad._hooks import compiled as hook
+from mixedad._hooks import torch_compile as hook
 
 
 def test_the_original_of_a_compiled_module_and_function():
