@@ -171,11 +171,22 @@ def test_the_layer_checks_find_an_upward_import_and_a_cycle():
     assert not _upward({"mixedad._frontend.tangents": {"mixedad.op_rules._dispatch": 7}})
     loop = {"mixedad._frontend.tangents": {"mixedad._programs.cache": 1},
             "mixedad._programs.cache": {"mixedad._programs.trace": 1},
-            "mixedad._programs.trace": {"mixedad._frontend.tangents": 1}, "mixedad._hooks.dispatch": {}}
+            "mixedad._programs.trace": {"mixedad._frontend.tangents": 1}, "mixedad._hooks.dispatch_modes": {}}
     assert _cycles(loop) == [["mixedad._frontend.tangents", "mixedad._programs.cache", "mixedad._programs.trace"]]
     graph = _import_graph()  # the real graph holds both ends of each layer
     assert "mixedad._hooks.dual_level" in graph["mixedad.op_rules._dispatch"]
-    assert _layer_of("mixedad") == len(LAYERS) - 1 and _layer_of("mixedad._hooks.dispatch") == 0
+    assert _layer_of("mixedad") == len(LAYERS) - 1 and _layer_of("mixedad._hooks.dispatch_modes") == 0
+
+
+def test_no_two_modules_share_a_name():
+    """Modules are named by what they hold: two files of one name (a leading underscore aside) in two folders
+    would be two things called alike."""
+    names = {}
+    for module in _modules():
+        name = module.rsplit("/", 1)[1].lstrip("_")
+        if name != "init__.py":
+            names.setdefault(name, []).append(module)
+    assert not {n: ms for n, ms in names.items() if len(ms) > 1}
 
 
 def test_the_package_shows_its_layers():

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from mixedad._hooks.dual_level import any_tangent
 from mixedad._hooks.functorch import current_level, is_wrapped, under_differentiating_transform
-from mixedad._hooks.grad_mode import GRAD_MODE_SETTERS, forward_ad_enabled, set_grad_enabled
+from mixedad._hooks.grad_switches import GRAD_MODE_SETTERS, forward_ad_enabled, set_grad_enabled
 from mixedad._hooks.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 __all__ = ["GRAD_MODE_SETTERS", "REQUIRES_GRAD", "GRAPH_ATTRIBUTES", "primals", "no_graph", "run_as_constant", "cannot_batch", "ReadGradMode",

@@ -35,7 +35,7 @@ import torch
 
 from mixedad._hooks.backward_node import running_backward
 from mixedad._hooks.conv_layouts import conv_memory_format, in_memory_format, suggest_memory_format
-from mixedad._hooks.dispatch import TorchDispatchMode
+from mixedad._hooks.dispatch_modes import TorchDispatchMode
 from mixedad._hooks.pytree import tree_leaves
 
 __all__ = ["TargetLayouts", "LAYOUTS"]

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from mixedad._hooks.dispatch import TorchDispatchMode
+from mixedad._hooks.dispatch_modes import TorchDispatchMode
 from mixedad._hooks.pytree import tree_leaves
 
 __all__ = ["StorageCounter"]

@@ -35,7 +35,7 @@ from mixedad._ground.watch import off as watch_off
 from mixedad._ground.state import Snapshot
 from mixedad._ground.forward_pass import FORWARD_PASS_LOCK
 from mixedad._hooks.functorch import in_functorch_transform
-from mixedad._hooks.dispatch import only_observers_active
+from mixedad._hooks.dispatch_modes import only_observers_active
 from mixedad._hooks.meta_trace import modes_active
 from mixedad._hooks.thread_local import setting
 from mixedad.op_rules import PathRecorder

@@ -3,7 +3,7 @@ first-order formula copies a channels-last gradient and input to contiguous ones
 import torch
 
 from mixedad._hooks.backward_node import running_backward
-from mixedad._hooks.dispatch import TorchDispatchMode
+from mixedad._hooks.dispatch_modes import TorchDispatchMode
 
 
 class _Seen(TorchDispatchMode):

@@ -3,7 +3,7 @@
 import torch
 from torch.autograd import forward_ad as fwAD
 
-from mixedad._hooks.dispatch import TorchDispatchMode
+from mixedad._hooks.dispatch_modes import TorchDispatchMode
 from mixedad._hooks.pytree import tree_leaves
 from mixedad._hooks.zero_tensors import inside_meta_kernel
 

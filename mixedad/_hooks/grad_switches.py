@@ -1,6 +1,6 @@
 """Grad mode as torch's C++ core holds it, which mixedad reads and sets at every op.
 
-What this relies on in torch (pinned by ``tests/_hooks/test_grad_mode.py``):
+What this relies on in torch (pinned by ``tests/_hooks/test_grad_switches.py``):
 
 - every Python way of switching grad mode (``torch.no_grad``, ``enable_grad``,
   ``set_grad_enabled``, as a decorator or a context) ends in ``torch._C._set_grad_enabled``, a

@@ -1,6 +1,6 @@
 """Watching every aten call: the base class of :mod:`mixedad.profiling`'s storage counter, and which modes run.
 
-What this relies on in torch (pinned by ``tests/_hooks/test_dispatch.py``):
+What this relies on in torch (pinned by ``tests/_hooks/test_dispatch_modes.py``):
 ``torch.utils._python_dispatch.TorchDispatchMode`` sees every aten op below autograd, with
 ``__torch_dispatch__(func, types, args, kwargs)``; ``_get_current_dispatch_mode_stack()`` lists the
 dispatch modes active on this thread, and ``torch._C._is_torch_function_mode_enabled()`` says whether a

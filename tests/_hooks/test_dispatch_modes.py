@@ -1,7 +1,7 @@
-"""Pins for mixedad._hooks.dispatch: a TorchDispatchMode sees aten ops below autograd."""
+"""Pins for mixedad._hooks.dispatch_modes: a TorchDispatchMode sees aten ops below autograd."""
 import torch
 
-from mixedad._hooks.dispatch import TorchDispatchMode
+from mixedad._hooks.dispatch_modes import TorchDispatchMode
 
 
 def test_a_dispatch_mode_sees_aten_ops():
@@ -18,7 +18,7 @@ def test_a_dispatch_mode_sees_aten_ops():
 
 
 def test_only_observers_active_tells_watching_modes_from_others():
-    from mixedad._hooks.dispatch import only_observers_active
+    from mixedad._hooks.dispatch_modes import only_observers_active
     from mixedad.profiling import StorageCounter
 
     class Other(TorchDispatchMode):
