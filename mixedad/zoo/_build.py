@@ -8,10 +8,9 @@ import torch
 from torch import nn
 from torch.autograd import forward_ad
 
+from mixedad._ground.forward_pass import forward_pass
 from mixedad._hooks.function_apply import routing
 from mixedad.op_rules._dispatch import ATTENTION, FROZEN, OpRules
-from mixedad._ground.forward_pass import FORWARD_PASS_LOCK
-from mixedad._hooks.attention_backends import differentiable_attention
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
              nn.ConvTranspose3d)
@@ -63,10 +62,9 @@ def _calibrate(module, input_shape):
     try:
         # PyTorch's own formulas where they exist, so calibration does not depend on the fast
         # layer kernels; the local rule and written formulas where they do not (custom ops, cdist).
-        # Grad enabled, as in mixedad's own pass: the rules read grad mode at each op.
+        # Grad enabled, as in mixedad's own pass: the rules read grad mode at each op (forward_pass).
         rules = OpRules("zoo calibration", skip=(FROZEN, ATTENTION))
-        with FORWARD_PASS_LOCK, differentiable_attention(), forward_ad.dual_level(), torch.enable_grad(), rules, \
-                routing(rules):
+        with forward_pass(rules), forward_ad.dual_level(), rules, routing(rules):  # as every pass is set up
             module(forward_ad.make_dual(torch.randn(input_shape), torch.randn(input_shape)))
     finally:
         for handle in handles:
